@@ -1,0 +1,3 @@
+from nanovllm.cli import main
+import sys
+sys.exit(main())

@@ -1,0 +1,87 @@
+"""The attention-backend interface and its registry.
+
+A backend receives one step's flat batch (see `torch_ref` for the layout) and must:
+  * write this step's K/V into the paged cache at `slot_mapping` (slot -1: skip), then
+  * return causal attention of the queries over each sequence's cached tokens.
+Everything in `AttentionMetadata` is a device tensor except `max_seqlen_q` and `is_decode`, which are
+host values fixed per captured CUDA graph, so a backend can run inside a graph with padded slots.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from nanovllm.attention.torch_ref import paged_attention_ref, store_kvcache_ref
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor   # (T,) cache slot of each new token, -1 = padding
+    cu_seqlens_q: torch.Tensor   # (B + 1,) query offsets
+    seq_lens: torch.Tensor       # (B,) cached tokens per sequence after this step; 0 = padding
+    block_tables: torch.Tensor   # (B, max_blocks) -1 padded
+    max_seqlen_q: int            # host: longest query chunk in the batch
+    is_decode: bool              # host: every sequence has exactly one query token
+
+
+class AttentionBackend(ABC):
+    """Computes attention over the paged KV cache."""
+    name: str = ""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Store k, v (T, Hkv, D) in the cache, then attend.
+
+        Args:
+            q: (T, H, D) queries; k, v: (T, Hkv, D) this step's keys and values.
+            k_cache, v_cache: (num_blocks, block_size, Hkv, D) this layer's cache.
+            meta: the step's AttentionMetadata.
+            scale: softmax scale.
+        Returns:
+            (T, H, D) attention output.
+        """
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Plain torch (runs anywhere); the reference for the Triton kernels."""
+    name = "torch"
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        store_kvcache_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+        return paged_attention_ref(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+                                   scale, meta.max_seqlen_q)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Triton kernels: a varlen prefill kernel and a split-KV decode kernel over the paged cache."""
+    name = "triton"
+
+    def __init__(self):
+        from nanovllm import kernels
+        if not kernels.triton_available():
+            raise ValueError("attention_backend='triton' needs the triton package; use attention_backend='torch'")
+        self.k = kernels
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        self.k.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_decode:
+            return self.k.paged_decode_attention(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale)
+        return self.k.paged_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
+                                              meta.block_tables, scale, meta.max_seqlen_q)
+
+
+ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
+    "torch": TorchAttentionBackend,
+    "triton": TritonAttentionBackend,
+}
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    try:
+        cls = ATTENTION_BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown attention backend {name!r}; valid: {', '.join(sorted(ATTENTION_BACKENDS))}") from None
+    return cls()

@@ -1,0 +1,124 @@
+"""Command line: `nanovllm generate ...` (and `nanovllm serve ...` when the server extra is installed)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+
+from nanovllm.config import EngineArgs
+
+_HELP = {
+    "device": "'auto', 'cpu' or 'cuda'",
+    "dtype": "'auto', 'float32', 'bfloat16' or 'float16'",
+    "max_model_len": "context length (default: the model's)",
+    "max_num_seqs": "most sequences in one batch",
+    "max_num_batched_tokens": "token budget of one step (prefill chunks + decodes)",
+    "kvcache_block_size": "tokens per KV block (a multiple of 16)",
+    "num_kvcache_blocks": "KV blocks to allocate (default: sized from memory)",
+    "gpu_memory_utilization": "fraction of GPU memory the engine may use",
+    "enforce_eager": "no CUDA graphs",
+    "enable_prefix_caching": "reuse KV of shared prompt prefixes",
+    "load_format": "'auto' (safetensors) or 'dummy' (random weights)",
+    "tensor_parallel_size": "GPUs (or CPU processes) to shard the model over",
+    "seed": "engine seed for unseeded sampling",
+    "attention_backend": "'auto', 'torch' or 'triton'",
+    "tokenizer": "tokenizer directory (default: the model's)",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("model",)) -> None:
+    """One --flag per EngineArgs field, vLLM style (--max-model-len, --no-enable-prefix-caching...)."""
+    group = parser.add_argument_group("engine")
+    for f in dataclasses.fields(EngineArgs):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        if isinstance(default, bool):
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=_HELP.get(f.name))
+        else:
+            typ = {int: int, float: float}.get(type(default), str)
+            if f.name in ("max_model_len", "max_num_batched_tokens", "num_kvcache_blocks"):
+                typ = int
+            group.add_argument(flag, type=typ, default=None, help=_HELP.get(f.name))
+
+
+def engine_kwargs(ns: argparse.Namespace) -> dict:
+    """The engine arguments the user actually gave (others keep EngineArgs' defaults)."""
+    return {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)
+            if f.name != "model" and getattr(ns, f.name, None) is not None}
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    from nanovllm import LLM, SamplingParams
+    model = ns.model
+    if model is None:
+        from nanovllm.utils.tiny_model import ensure_default_tiny_model
+        model = ensure_default_tiny_model()
+        print(f"[nanovllm] no --model given: using a built-in tiny model with RANDOM weights at {model}\n"
+              f"[nanovllm] its output is gibberish by design; pass --model DIR for a real checkpoint",
+              file=sys.stderr)
+    kwargs = engine_kwargs(ns)
+    t0 = time.perf_counter()
+    llm = LLM(model, **kwargs)
+    print(f"[nanovllm] engine ready in {time.perf_counter() - t0:.1f}s "
+          f"(device={llm.engine.config.device}, dtype={llm.engine.config.dtype}, "
+          f"kv blocks={llm.engine.block_manager.num_blocks})", file=sys.stderr)
+    params = SamplingParams(temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p,
+                            max_tokens=ns.max_tokens, seed=ns.sampling_seed, ignore_eos=ns.ignore_eos,
+                            stop=ns.stop or None)
+    prompts = ns.prompt or ["Hello, Nano-vLLM.", "The capital of France is"]
+    try:
+        if ns.chat:
+            outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=not ns.quiet)
+        else:
+            outs = llm.generate(prompts, params, use_tqdm=not ns.quiet)
+    finally:
+        llm.shutdown()
+    for p, o in zip(prompts, outs):
+        print(f"\nPrompt: {p!r}\nOutput: {o['text']!r}\n  ({len(o['token_ids'])} tokens, finish_reason={o['finish_reason']})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nanovllm", description="Nano-vLLM: a small, fast LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text offline for one or more prompts")
+    g.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: a built-in tiny random model)")
+    g.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.6)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--stop", action="append", help="stop string (repeat for several)")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_engine_args(g)
+    g.set_defaults(func=_generate)
+
+    try:
+        from nanovllm.server.cli import add_serve_parser
+    except ImportError:
+        add_serve_parser = None
+    if add_serve_parser is not None:
+        add_serve_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        return ns.func(ns)
+    except (ValueError, TypeError) as e:
+        print(f"nanovllm: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

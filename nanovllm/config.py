@@ -1,0 +1,233 @@
+"""Engine arguments (what the user asks for) and the resolved configuration (what the engine runs with).
+
+`EngineArgs` holds exactly what the user passed, validated. `ModelConfig` is parsed from the checkpoint's
+config.json without going through transformers' config classes (their field names moved between
+versions). `EngineConfig` joins the two with everything resolved ("auto" device and dtype, defaults
+that depend on the model); runtime facts learned later (the number of KV blocks) live in the runner.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16,
+           "float": torch.float32}
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model: str
+    tokenizer: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    kvcache_block_size: int = 256
+    num_kvcache_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+    load_format: str = "auto"
+    tensor_parallel_size: int = 1
+    seed: int = 0
+    attention_backend: str = "auto"
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs) -> "EngineArgs":
+        """Build from keyword arguments; an unknown name is a TypeError that names it."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"model"}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {', '.join(map(repr, unknown))}; "
+                            f"valid: {', '.join(sorted(names))}")
+        return cls(model=model, **kwargs)
+
+    def __post_init__(self):
+        def need(name, ok, what):
+            if not ok:
+                raise ValueError(f"{name} must be {what}, got {getattr(self, name)!r}")
+
+        def int_arg(name, lo, allow_none=False):
+            v = getattr(self, name)
+            if v is None and allow_none:
+                return
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
+            need(name, v >= lo, f">= {lo}")
+
+        if not isinstance(self.model, (str, os.PathLike)):
+            raise TypeError(f"model must be a path string, got {type(self.model).__name__} {self.model!r}")
+        need("device", self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:"),
+             "'auto', 'cpu' or 'cuda'")
+        need("dtype", self.dtype == "auto" or self.dtype in _DTYPES,
+             "'auto', 'float32', 'bfloat16' or 'float16'")
+        int_arg("max_model_len", 1, allow_none=True)
+        int_arg("max_num_seqs", 1)
+        int_arg("max_num_batched_tokens", 1, allow_none=True)
+        int_arg("kvcache_block_size", 16)
+        need("kvcache_block_size", self.kvcache_block_size % 16 == 0, "a multiple of 16")
+        int_arg("num_kvcache_blocks", 1, allow_none=True)
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or isinstance(self.gpu_memory_utilization, bool):
+            raise TypeError(f"gpu_memory_utilization must be a float, got {self.gpu_memory_utilization!r}")
+        need("gpu_memory_utilization", 0.0 < self.gpu_memory_utilization <= 1.0, "in (0, 1]")
+        for flag in ("enforce_eager", "enable_prefix_caching"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
+        need("load_format", self.load_format in ("auto", "dummy", "safetensors"), "'auto', 'safetensors' or 'dummy'")
+        int_arg("tensor_parallel_size", 1)
+        int_arg("seed", 0)
+        need("attention_backend", self.attention_backend in ("auto", "torch", "triton"),
+             "'auto', 'torch' or 'triton'")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The parts of a Hugging Face config.json that the engine needs."""
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    hidden_act: str
+    torch_dtype: str | None
+    eos_token_ids: tuple[int, ...]
+    raw: dict = field(repr=False, compare=False, default_factory=dict)
+
+    @classmethod
+    def from_dir(cls, model_dir: str) -> "ModelConfig":
+        path = os.path.join(model_dir, "config.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"model directory {model_dir!r} has no config.json")
+        with open(path) as f:
+            cfg = json.load(f)
+        return cls.from_dict(cfg, source=path)
+
+    @classmethod
+    def from_dict(cls, cfg: dict, source: str = "config") -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        if not archs:
+            raise ValueError(f"{source} lists no 'architectures'")
+        arch = archs[0]
+
+        def get(key, default=None, required=False):
+            if key in cfg and cfg[key] is not None:
+                return cfg[key]
+            if required:
+                raise ValueError(f"{source} lacks required field {key!r}")
+            return default
+
+        hidden = int(get("hidden_size", required=True))
+        heads = int(get("num_attention_heads", required=True))
+        # rope: transformers 4.x writes rope_theta + rope_scaling; 5.x writes rope_parameters
+        rope_params = get("rope_parameters") or {}
+        scaling = get("rope_scaling") or None
+        if scaling is None and rope_params.get("rope_type", "default") != "default":
+            scaling = dict(rope_params)
+        theta = float(get("rope_theta", rope_params.get("rope_theta", 10000.0)))
+        eos = get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            architecture=arch,
+            vocab_size=int(get("vocab_size", required=True)),
+            hidden_size=hidden,
+            intermediate_size=int(get("intermediate_size", required=True)),
+            num_layers=int(get("num_hidden_layers", required=True)),
+            num_heads=heads,
+            num_kv_heads=int(get("num_key_value_heads", heads)),
+            head_dim=int(get("head_dim", hidden // heads)),
+            rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+            attention_bias=bool(get("attention_bias", arch == "Qwen2ForCausalLM")),
+            mlp_bias=bool(get("mlp_bias", False)),
+            hidden_act=str(get("hidden_act", "silu")),
+            torch_dtype=get("torch_dtype", get("dtype")),
+            eos_token_ids=eos_ids,
+            raw=cfg,
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything resolved: what the scheduler, block manager and runner are built from."""
+    args: EngineArgs
+    model: ModelConfig
+    model_dir: str
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    block_size: int
+    attention_backend: str
+
+    @classmethod
+    def resolve(cls, args: EngineArgs) -> "EngineConfig":
+        model_dir = os.fspath(args.model)
+        if not os.path.isdir(model_dir):
+            raise ValueError(f"model directory {model_dir!r} does not exist")
+        mcfg = ModelConfig.from_dir(model_dir)
+        from nanovllm.models.registry import check_supported
+        check_supported(mcfg)
+
+        if args.device == "auto":
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        else:
+            device = torch.device(args.device)
+            if device.type == "cuda" and not torch.cuda.is_available():
+                raise ValueError(f"device={args.device!r} but CUDA is not available; use device='cpu'")
+
+        if args.dtype != "auto":
+            dtype = _DTYPES[args.dtype]
+        elif device.type == "cpu":
+            dtype = torch.float32
+        else:
+            dtype = _DTYPES.get(str(mcfg.torch_dtype), torch.bfloat16)
+            if dtype == torch.float32:
+                dtype = torch.bfloat16
+        if device.type == "cpu" and dtype == torch.float16:
+            raise ValueError("dtype='float16' is not supported on CPU; use 'float32' or 'bfloat16'")
+
+        if args.max_model_len is None:
+            max_model_len = mcfg.max_position_embeddings
+        else:
+            if args.max_model_len > mcfg.max_position_embeddings:
+                raise ValueError(f"max_model_len={args.max_model_len} exceeds the model's "
+                                 f"max_position_embeddings={mcfg.max_position_embeddings}")
+            max_model_len = args.max_model_len
+
+        max_batched = args.max_num_batched_tokens
+        if max_batched is None:
+            max_batched = 8192 if device.type == "cuda" else 2048
+        if max_batched < args.max_num_seqs and args.max_num_batched_tokens is not None:
+            raise ValueError(f"max_num_batched_tokens={max_batched} must be >= max_num_seqs={args.max_num_seqs}: "
+                             "every running sequence needs at least one token per step")
+        max_num_seqs = min(args.max_num_seqs, max_batched)
+
+        backend = args.attention_backend
+        if backend == "auto":
+            backend = "triton" if device.type == "cuda" else "torch"
+        if args.tensor_parallel_size != 1:
+            from nanovllm.distributed import check_tp_supported
+            check_tp_supported(args.tensor_parallel_size, mcfg, device)
+        return cls(args=args, model=mcfg, model_dir=model_dir, device=device, dtype=dtype,
+                   max_model_len=max_model_len, max_num_batched_tokens=max_batched,
+                   max_num_seqs=max_num_seqs, block_size=args.kvcache_block_size, attention_backend=backend)

@@ -1,0 +1,90 @@
+"""The typed message from scheduler to model runner (and, under tensor parallelism, to every worker).
+
+`StepBatch` is plain Python data (ints, floats, lists): it pickles, crosses process boundaries, and is
+turned into a handful of flat device tensors by the runner in one go.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nanovllm.engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class SamplingBatch:
+    """Sampling parameters of the sequences that sample this step, row by row."""
+    temperatures: list[float] = field(default_factory=list)
+    top_ks: list[int] = field(default_factory=list)
+    top_ps: list[float] = field(default_factory=list)
+    min_ps: list[float] = field(default_factory=list)
+    seeds: list[int] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)        # output position being sampled
+    seeded: list[bool] = field(default_factory=list)
+    banned: list[tuple[int, int]] = field(default_factory=list)  # (row, token id) held back (min_tokens)
+    logprobs: list[int | None] = field(default_factory=list)
+
+
+@dataclass
+class StepBatch:
+    input_ids: list[int]          # (T,) tokens to compute, sequences back to back
+    positions: list[int]          # (T,)
+    slot_mapping: list[int]       # (T,) KV cache slot of each token
+    cu_seqlens_q: list[int]       # (B + 1,)
+    seq_lens: list[int]           # (B,) cached tokens per sequence after this step
+    block_tables: list[list[int]]  # (B, *) ragged
+    max_seqlen_q: int
+    is_decode: bool
+    sample_rows: list[int]        # sequences (indices into B) whose last token is sampled
+    sampling: SamplingBatch
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+
+def build_step_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    cu = [0]
+    seq_lens: list[int] = []
+    tables: list[list[int]] = []
+    sample_rows: list[int] = []
+    sb = SamplingBatch()
+    for b, (seq, n) in enumerate(zip(out.seqs, out.num_new_tokens)):
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        input_ids.extend(seq.token_ids[start:end])
+        positions.extend(range(start, end))
+        table = seq.block_table
+        pos = start
+        while pos < end:  # one contiguous run of slots per block
+            blk, off = divmod(pos, block_size)
+            run = min(end - pos, block_size - off)
+            base = table[blk] * block_size + off
+            slots.extend(range(base, base + run))
+            pos += run
+        cu.append(cu[-1] + n)
+        seq_lens.append(end)
+        tables.append(table)
+        if end == seq.num_tokens:
+            row = len(sample_rows)
+            sample_rows.append(b)
+            p = seq.params
+            step = seq.num_output_tokens
+            sb.temperatures.append(float(p.temperature))
+            sb.top_ks.append(p.top_k)
+            sb.top_ps.append(float(p.top_p))
+            sb.min_ps.append(float(p.min_p))
+            sb.seeds.append(seq.noise_seed)
+            sb.steps.append(step)
+            sb.seeded.append(seq.seeded)
+            sb.logprobs.append(p.logprobs)
+            if step < p.min_tokens:
+                sb.banned.extend((row, t) for t in seq.stop_ids)
+    return StepBatch(input_ids=input_ids, positions=positions, slot_mapping=slots, cu_seqlens_q=cu,
+                     seq_lens=seq_lens, block_tables=tables, max_seqlen_q=max(out.num_new_tokens, default=0),
+                     is_decode=out.is_decode, sample_rows=sample_rows, sampling=sb)

@@ -1,0 +1,275 @@
+"""The engine: requests in, one scheduled step at a time, outputs back.
+
+    add_request -> Scheduler.schedule -> build_step_batch -> ModelRunner.execute -> _process -> outputs
+
+Everything a user can get wrong is checked in `validate_request`, before any state changes.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass, field
+
+from nanovllm.config import EngineArgs, EngineConfig
+from nanovllm.engine.batch import build_step_batch
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.detokenizer import IncrementalDetokenizer, find_stop
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    """A request's progress after a step (emitted every step for streamed requests, else once at the end)."""
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]               # all output tokens so far
+    new_token_ids: list[int]           # produced by this step
+    text: str                          # output text so far (final text once finished)
+    new_text: str                      # text produced by this step (streamed requests)
+    finished: bool
+    finish_reason: str | None = None   # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None
+    logprobs: list[dict] | None = None         # per output token: {"token_id", "logprob", "top": [(id, lp)]}
+    new_logprobs: list[dict] | None = None
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        d = {"request_id": self.request_id, "text": self.text, "token_ids": self.token_ids,
+             "prompt_token_ids": self.prompt_token_ids, "finish_reason": self.finish_reason}
+        if self.logprobs is not None:
+            d["logprobs"] = self.logprobs
+        return d
+
+
+@dataclass
+class ValidRequest:
+    """A prompt and params that passed validation; adding it cannot fail."""
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+
+
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - surfaced as a clear user error
+        raise ValueError(f"could not load a tokenizer from {path!r}: {e}") from e
+
+
+def _eos_ids(model_dir: str, config_eos: tuple[int, ...], tokenizer) -> frozenset[int]:
+    """EOS ids as transformers' generate sees them: generation_config.json first, then config.json."""
+    path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+        if eos is not None:
+            return frozenset(eos if isinstance(eos, list) else [eos])
+    if config_eos:
+        return frozenset(config_eos)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        return frozenset([tokenizer.eos_token_id])
+    return frozenset()
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs):
+        t0 = time.perf_counter()
+        self.config = EngineConfig.resolve(args)
+        self.tokenizer = _load_tokenizer(args.tokenizer or self.config.model_dir)
+        self.eos_token_ids = _eos_ids(self.config.model_dir, self.config.model.eos_token_ids, self.tokenizer)
+        self.runner = self._make_runner()
+        self.block_manager = BlockManager(self.runner.num_kvcache_blocks, self.config.block_size,
+                                          args.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
+                                   self.config.max_num_batched_tokens)
+        self.requests: dict[str, Sequence] = {}
+        self._seq_ids = itertools.count()
+        self._noise_rng = random.Random(args.seed)
+        # counters (for tqdm and /metrics)
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.startup_seconds = time.perf_counter() - t0
+
+    def _make_runner(self):
+        if self.config.args.tensor_parallel_size > 1:
+            from nanovllm.distributed.executor import TPExecutor
+            return TPExecutor(self.config)
+        from nanovllm.engine.model_runner import ModelRunner
+        return ModelRunner(self.config)
+
+    # --- requests ----------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.config.model.vocab_size
+
+    def tokenize(self, prompt) -> list[int]:
+        """A prompt (str, or a list of token ids) as token ids; raises ValueError/TypeError if malformed."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                bad = next(t for t in prompt if not isinstance(t, int) or isinstance(t, bool))
+                raise TypeError(f"prompt token ids must be ints, got {type(bad).__name__} {bad!r}")
+            return list(prompt)
+        raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def validate_request(self, prompt, params: SamplingParams | None) -> ValidRequest:
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("prompt is empty (no tokens)")
+        V = self.vocab_size
+        bad = [t for t in ids if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {V})")
+        L = self.config.max_model_len
+        if len(ids) > L:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len={L}")
+        if params.stop_token_ids and any(t >= V for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids {params.stop_token_ids} include ids outside the vocabulary [0, {V})")
+        room = max(1, L - len(ids))
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        return ValidRequest(ids, params, max_tokens)
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, *,
+                    stream: bool = False) -> Sequence:
+        """Validate and queue a request. `stream` makes step() report it every step, with text deltas."""
+        req = prompt if isinstance(prompt, ValidRequest) else self.validate_request(prompt, params)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        p = req.params
+        stop_ids = set(p.stop_token_ids or ())
+        if not p.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        seeded = p.seed is not None
+        seq = Sequence(next(self._seq_ids), request_id, req.prompt_token_ids, p, req.max_tokens,
+                       frozenset(stop_ids), p.seed if seeded else self._noise_rng.getrandbits(63), seeded)
+        seq.stream = stream
+        if stream or p.stop_strings:
+            seq.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens)
+        seq.arrival_time = time.monotonic()
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop a request and free its blocks at once; False if it is unknown or already done."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None or seq.is_finished:
+            return False
+        self.scheduler.finish(seq, "abort")
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # --- one step ----------------------------------------------------------------------------------
+    def step(self) -> tuple[list[RequestOutput], int, int]:
+        """Schedule, run and process one step.
+
+        Returns (outputs, prompt tokens computed, tokens sampled). Outputs hold every finished request
+        and every streamed request that made progress."""
+        sched = self.scheduler.schedule()
+        if not sched:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler made no progress with requests pending (KV cache too small?)")
+            return [], 0, 0
+        batch = build_step_batch(sched, self.config.block_size)
+        num_decode = sum(1 for s, n in zip(sched.seqs, sched.num_new_tokens)
+                         if n == 1 and s.num_output_tokens > 0 and s.num_computed_tokens == s.num_tokens - 1)
+        num_prefill = sched.num_tokens - num_decode
+        result = self.runner.execute(batch)
+        sampled = self.scheduler.on_step_done(sched)
+        outputs = self._process(sampled, result)
+        self.num_prompt_tokens += num_prefill
+        self.num_generation_tokens += len(sampled)
+        return outputs, num_prefill, len(sampled)
+
+    def _process(self, sampled: list[Sequence], result) -> list[RequestOutput]:
+        now = time.monotonic()
+        outputs = []
+        for row, seq in enumerate(sampled):
+            tok = result.token_ids[row]
+            seq.append_token(tok)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if seq.logprobs is not None:
+                entry = {"token_id": tok, "logprob": result.logprobs[row]}
+                k = seq.params.logprobs
+                entry["top"] = list(zip(result.top_ids[row][:k], result.top_logprobs[row][:k])) if k else []
+                seq.logprobs.append(entry)
+            reason = self._check_stop(seq, tok)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                self.requests.pop(seq.request_id, None)
+            if seq.is_finished or seq.stream:
+                outputs.append(self._make_output(seq, now))
+        return outputs
+
+    def _check_stop(self, seq: Sequence, tok: int) -> str | None:
+        p = seq.params
+        n_out = seq.num_output_tokens
+        if tok in seq.stop_ids and n_out >= p.min_tokens:
+            # vLLM's convention: stop_reason is the token id for stop_token_ids, None for EOS
+            seq.stop_reason = tok if tok in (p.stop_token_ids or ()) else None
+            return "stop"
+        if seq.detok is not None:
+            delta = seq.detok.add(tok)
+            if delta and p.stop_strings and n_out >= p.min_tokens:
+                i = find_stop(seq.detok.text, len(delta), p.stop_strings)
+                if i != -1:
+                    text = seq.detok.text
+                    seq.stop_reason = next(s for s in p.stop_strings if text.startswith(s, i))
+                    seq.detok.text = text[:i]
+                    return "stop"
+        if n_out >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def _make_output(self, seq: Sequence, now: float) -> RequestOutput:
+        out_ids = seq.output_token_ids
+        new_ids = out_ids[seq.num_emitted:]
+        if seq.detok is not None:
+            text = seq.detok.text
+        else:
+            text = self.tokenizer.decode(out_ids, skip_special_tokens=seq.params.skip_special_tokens) \
+                if seq.is_finished else ""
+        new_text = text[len(seq.text):] if seq.stream else ""
+        new_lp = seq.logprobs[seq.num_emitted:] if seq.logprobs is not None else None
+        seq.num_emitted = len(out_ids)
+        seq.text = text
+        metrics = {"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time, "now": now,
+                   "num_preemptions": seq.num_preemptions}
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, token_ids=out_ids,
+            new_token_ids=new_ids, text=text, new_text=new_text, finished=seq.is_finished,
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            logprobs=seq.logprobs, new_logprobs=new_lp, num_cached_tokens=seq.num_cached_tokens,
+            metrics=metrics)
+
+    def shutdown(self) -> None:
+        close = getattr(self.runner, "shutdown", None)
+        if close is not None:
+            close()

@@ -1,0 +1,220 @@
+"""The model runner owns the model, its KV cache and the sampler, and turns a StepBatch into tokens."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from nanovllm.attention.backend import AttentionMetadata, get_attention_backend
+from nanovllm.config import EngineConfig
+from nanovllm.distributed.group import TPGroup
+from nanovllm.engine.batch import SamplingBatch, StepBatch
+from nanovllm.layers.attention import Attention
+from nanovllm.layers.sampler import Sampler, SamplingTensors
+from nanovllm.models.loader import init_dummy, load_safetensors
+from nanovllm.models.registry import build_model
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_CACHE_BYTES = 2 << 30  # default KV budget on CPU when num_kvcache_blocks is not given
+
+
+@dataclass
+class StepResult:
+    """What one step produced, on the host, row by row over the batch's sample_rows."""
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, tp: TPGroup | None = None):
+        self.config = config
+        self.tp = tp or TPGroup()
+        self.device = config.device
+        self.dtype = config.dtype
+        self.block_size = config.block_size
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device if self.device.index is not None else self.tp.rank)
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        t0 = time.perf_counter()
+        self.model = self._load_model()
+        self.load_seconds = time.perf_counter() - t0
+        self.backend = get_attention_backend(config.attention_backend)
+        self.sampler = Sampler(self.device, config.args.seed)
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.num_kvcache_blocks = self._allocate_kv_cache()
+
+    # --- setup -------------------------------------------------------------------------------------
+    def _load_model(self):
+        cfg = self.config
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(cfg.dtype)
+        try:
+            with torch.device(self.device):
+                model = build_model(cfg.model, self.tp)
+        finally:
+            torch.set_default_dtype(prev)
+        # buffers computed in float32 (RoPE tables) stay float32
+        if cfg.args.load_format == "dummy":
+            init_dummy(model, cfg.args.seed + self.tp.rank)
+        else:
+            load_safetensors(model, cfg.model_dir)
+        return model.eval()
+
+    def kv_bytes_per_block(self) -> int:
+        m = self.config.model
+        a = self.attn_layers[0]
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * m.num_layers * self.block_size * a.num_kv_heads * a.head_dim * itemsize
+
+    def _allocate_kv_cache(self) -> int:
+        cfg = self.config
+        per_block = self.kv_bytes_per_block()
+        if cfg.args.num_kvcache_blocks is not None:
+            num_blocks = cfg.args.num_kvcache_blocks
+        elif self.device.type == "cuda":
+            num_blocks = self._profile_num_blocks(per_block)
+        else:
+            want = -(-cfg.max_model_len // self.block_size) * cfg.max_num_seqs
+            num_blocks = max(1, min(want, CPU_KV_CACHE_BYTES // per_block))
+        num_blocks = self._agree_num_blocks(num_blocks)
+        if num_blocks * self.block_size < cfg.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks x {self.block_size} tokens = {num_blocks * self.block_size} "
+                f"tokens, fewer than max_model_len={cfg.max_model_len}: lower max_model_len, or raise "
+                f"num_kvcache_blocks / gpu_memory_utilization")
+        a = self.attn_layers[0]
+        shape = (2, len(self.attn_layers), num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.attn_layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            layer.backend = self.backend
+        return num_blocks
+
+    def _agree_num_blocks(self, n: int) -> int:
+        """All ranks must use the same block count: take the minimum."""
+        if self.tp.size == 1:
+            return n
+        import torch.distributed as dist
+        t = torch.tensor([n], device=self.device if self.device.type == "cuda" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.tp.group)
+        return int(t.item())
+
+    @torch.inference_mode()
+    def _profile_num_blocks(self, per_block: int) -> int:
+        """Run the largest batch once, see its activation peak, give what is left under the budget to KV."""
+        cfg = self.config
+        n = cfg.max_num_batched_tokens
+        n_seqs = max(1, min(cfg.max_num_seqs, -(-n // cfg.max_model_len)))
+        lens = [n // n_seqs] * n_seqs
+        lens[-1] += n - sum(lens)
+        torch.cuda.empty_cache()
+        overhead = self._warmup_forward(lens)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        budget = total * cfg.args.gpu_memory_utilization - (total - free) - overhead
+        return max(0, int(budget) // per_block)
+
+    def _warmup_forward(self, lens: list[int]) -> int:
+        """One forward (and logits for every sequence) over a throwaway KV cache just big enough.
+
+        Returns the activation memory it took above what was allocated before it (bytes)."""
+        bs = self.block_size
+        blocks = [-(-n // bs) for n in lens]
+        a = self.attn_layers[0]
+        cache = torch.zeros(2, sum(blocks), bs, a.num_kv_heads, a.head_dim, dtype=self.dtype, device=self.device)
+        for layer in self.attn_layers:
+            layer.k_cache, layer.v_cache, layer.backend = cache[0], cache[1], self.backend
+        tables, slots, first = [], [], 0
+        for n, nb in zip(lens, blocks):
+            tables.append(list(range(first, first + nb)) + [-1] * (max(blocks) - nb))
+            slots.extend(range(first * bs, first * bs + n))
+            first += nb
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            max_seqlen_q=max(lens), is_decode=False)
+        ids = torch.zeros(sum(lens), dtype=torch.int64, device=dev)
+        pos = torch.cat([torch.arange(n, device=dev) for n in lens])
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
+        hidden = self.model(ids, pos, meta)
+        logits = self.model.compute_logits(hidden[torch.tensor(cu[1:], device=dev) - 1])
+        self.sampler(logits, self._sampling_tensors(SamplingBatch(
+            temperatures=[1.0] * len(lens), top_ks=[0] * len(lens), top_ps=[1.0] * len(lens),
+            min_ps=[0.0] * len(lens), seeds=[0] * len(lens), steps=[0] * len(lens),
+            seeded=[False] * len(lens), logprobs=[None] * len(lens))))
+        for layer in self.attn_layers:
+            layer.k_cache = layer.v_cache = torch.empty(0)
+        if dev.type != "cuda":
+            return 0
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    # --- one step ----------------------------------------------------------------------------------
+    def _to_device(self, data, dtype) -> torch.Tensor:
+        t = torch.tensor(data, dtype=dtype)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def _prepare(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        width = max(len(t) for t in batch.block_tables)
+        tables = [t + [-1] * (width - len(t)) for t in batch.block_tables]
+        meta = AttentionMetadata(
+            slot_mapping=self._to_device(batch.slot_mapping, torch.int64),
+            cu_seqlens_q=self._to_device(batch.cu_seqlens_q, torch.int32),
+            seq_lens=self._to_device(batch.seq_lens, torch.int32),
+            block_tables=self._to_device(tables, torch.int32),
+            max_seqlen_q=batch.max_seqlen_q, is_decode=batch.is_decode)
+        return (self._to_device(batch.input_ids, torch.int64), self._to_device(batch.positions, torch.int64), meta)
+
+    def _sampling_tensors(self, sb: SamplingBatch) -> SamplingTensors:
+        greedy = [t == 0.0 for t in sb.temperatures]
+        seeded_rows = [i for i, s in enumerate(sb.seeded) if s and not greedy[i]]
+        asked = [k for k in sb.logprobs if k is not None]
+        return SamplingTensors(
+            temperatures=self._to_device(sb.temperatures, torch.float32),
+            top_ks=self._to_device(sb.top_ks, torch.int64),
+            top_ps=self._to_device(sb.top_ps, torch.float32),
+            min_ps=self._to_device(sb.min_ps, torch.float32),
+            seeds=self._to_device(sb.seeds, torch.int64),
+            steps=self._to_device(sb.steps, torch.int64),
+            seeded_rows=self._to_device(seeded_rows, torch.int64) if seeded_rows else None,
+            banned_rows=self._to_device([r for r, _ in sb.banned], torch.int64) if sb.banned else None,
+            banned_tokens=self._to_device([t for _, t in sb.banned], torch.int64) if sb.banned else None,
+            all_greedy=all(greedy), any_greedy=any(greedy),
+            need_top_k=any(k > 0 for k in sb.top_ks), need_top_p=any(p < 1.0 for p in sb.top_ps),
+            need_min_p=any(p > 0.0 for p in sb.min_ps),
+            max_logprobs=max(asked) if asked else None)
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch) -> StepResult | None:
+        """Run one step. Returns the sampled tokens (on the rank that samples), else None."""
+        input_ids, positions, meta = self._prepare(batch)
+        hidden = self.model(input_ids, positions, meta)                       # (T, hidden)
+        if not batch.sample_rows:
+            return StepResult(token_ids=[]) if self.tp.rank == 0 else None
+        last = self._to_device([batch.cu_seqlens_q[b + 1] - 1 for b in batch.sample_rows], torch.int64)
+        logits = self.model.compute_logits(hidden[last])                      # (S, vocab) float32
+        if self.tp.rank != 0:
+            return None
+        out = self.sampler(logits, self._sampling_tensors(batch.sampling))
+        res = StepResult(token_ids=out.token_ids.tolist())
+        if out.logprobs is not None:
+            res.logprobs = out.logprobs.tolist()
+            if out.top_ids is not None:
+                res.top_ids, res.top_logprobs = out.top_ids.tolist(), out.top_logprobs.tolist()
+        return res

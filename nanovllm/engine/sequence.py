@@ -1,0 +1,78 @@
+"""One request's state as it moves waiting -> running -> finished (possibly back to waiting if preempted)."""
+from __future__ import annotations
+
+import enum
+
+from nanovllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Token ids (prompt then output), how many of them have K/V in the cache, and the blocks holding them.
+
+    The scheduler's whole view of a request is `num_computed_tokens` against `num_tokens`: the difference
+    is the work left before the next token can be sampled (a whole prompt, a chunk of one, or the single
+    last token in decode).
+    """
+
+    def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 max_tokens: int, stop_ids: frozenset[int], noise_seed: int, seeded: bool):
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.max_tokens = max_tokens          # resolved: never past max_model_len
+        self.stop_ids = stop_ids              # EOS (unless ignore_eos) and stop_token_ids
+        self.noise_seed = noise_seed          # seed of this request's sampling noise
+        self.seeded = seeded                  # noise from the user's seed (batch-independent)
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.num_hashed_blocks = 0            # leading blocks registered in the prefix cache
+        self.block_hashes: list[int] = []     # chain hash of each hashed block
+        self.num_cached_tokens = 0            # prompt tokens served by the prefix cache (last admission)
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
+        # output side, owned by the engine
+        self.stream = False                   # report progress every step
+        self.detok = None                     # IncrementalDetokenizer when text is needed as it grows
+        self.text = ""                        # text reported so far
+        self.num_emitted = 0                  # output tokens reported so far
+        self.arrival_time = 0.0
+        self.first_token_time: float | None = None
+
+    # --- token bookkeeping -------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, status={self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})")

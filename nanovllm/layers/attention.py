@@ -1,0 +1,25 @@
+"""The attention layer: holds its slice of the paged KV cache and defers the math to a backend."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nanovllm.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float):
+        super().__init__()
+        self.num_heads, self.head_dim, self.num_kv_heads, self.scale = num_heads, head_dim, num_kv_heads, scale
+        # set by the model runner once the cache is allocated
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+        self.backend: AttentionBackend | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        T = q.shape[0]
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)  # (T, H, D)
+        return o.reshape(T, self.num_heads * self.head_dim)

@@ -1,0 +1,125 @@
+"""Linear layers that know how to shard themselves over a tensor-parallel group.
+
+Each parameter carries a `weight_loader(param, checkpoint_tensor, shard_id=None)` that copies this
+rank's slice of a checkpoint tensor into place, so loading fused or sharded weights is one call per
+checkpoint tensor. With a group of size 1 every layer is a plain linear.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.distributed.group import TPGroup
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what}={n} is not divisible by tensor_parallel_size={d}")
+    return n // d
+
+
+class LinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup):
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        _copy(param.data, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"checkpoint tensor of shape {tuple(src.shape)} does not fit parameter {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+class ReplicatedLinear(LinearBase):
+    pass
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; no communication."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup):
+        super().__init__(in_features, _divide(out_features, tp.size, "output features"), bias, tp)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        n = param.shape[0]
+        _copy(param.data, loaded.narrow(0, self.tp.rank * n, n))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs stored side by side (gate and up projections)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TPGroup):
+        self.output_sizes = list(output_sizes)
+        super().__init__(in_features, sum(output_sizes), bias, tp)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"bad shard id {shard_id!r} for merged linear of {len(self.output_sizes)} parts")
+        size = self.output_sizes[shard_id] // self.tp.size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp.size
+        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp.rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q, k, v projections. Query heads are split across ranks; key/value heads too, or replicated
+    when there are fewer of them than ranks (each rank keeps the one its query heads use)."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+                 tp: TPGroup):
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp.size, "num_attention_heads")
+        if num_kv_heads >= tp.size:
+            self.num_kv_heads = _divide(num_kv_heads, tp.size, "num_key_value_heads")
+            self.kv_start = tp.rank * self.num_kv_heads
+        else:
+            if tp.size % num_kv_heads:
+                raise ValueError(f"tensor_parallel_size={tp.size} must be a multiple of "
+                                 f"num_key_value_heads={num_kv_heads} to replicate them")
+            self.num_kv_heads = 1
+            self.kv_start = tp.rank * num_kv_heads // tp.size
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        LinearBase.__init__(self, hidden_size, out, bias, tp)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        d = self.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        if shard_id == "q":
+            dst, src = param.data.narrow(0, 0, q_size), loaded.narrow(0, self.tp.rank * q_size, q_size)
+        elif shard_id in ("k", "v"):
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            dst, src = param.data.narrow(0, offset, kv_size), loaded.narrow(0, self.kv_start * d, kv_size)
+        else:
+            raise ValueError(f"bad shard id {shard_id!r} for qkv projection (want 'q', 'k' or 'v')")
+        _copy(dst, src)
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial outputs summed with an all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup):
+        super().__init__(_divide(in_features, tp.size, "input features"), out_features, bias, tp)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        if param.dim() == 1:  # bias: whole, added once after the reduce
+            _copy(param.data, loaded)
+            return
+        n = param.shape[1]
+        _copy(param.data, loaded.narrow(1, self.tp.rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
+        return self.tp.all_reduce(y)

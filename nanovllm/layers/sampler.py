@@ -1,0 +1,130 @@
+"""Batched sampling on the device with per-request parameters.
+
+Sampling is the exponential-race form of the Gumbel-max trick: token = argmax(p_i / E_i) with E_i ~ Exp(1)
+independent per token, which draws exactly from p and needs no cumulative sum or host round trip.
+
+Requests with a seed get their noise from a counter-based hash of (seed, output position, token id), so
+their tokens depend on nothing else in the batch; other requests share one torch generator.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+def _i64(x: int) -> int:
+    return x - (1 << 64) if x >= (1 << 63) else x
+
+
+_GOLDEN = _i64(0x9E3779B97F4A7C15)
+_MIX1 = _i64(0xBF58476D1CE4E5B9)
+_MIX2 = _i64(0x94D049BB133111EB)
+_STEP = _i64(0xD1B54A32D192ED03)
+
+
+def hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(B,) int64 seeds and output positions -> (B, vocab_size) float32 uniforms in (0, 1).
+
+    splitmix64 of seed * golden + step * c + token: a pure function of its three inputs.
+    Shifts are arithmetic on int64, so each is masked to act as a logical shift.
+    """
+    tok = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    x = (seeds.long() * _GOLDEN + steps.long() * _STEP)[:, None] + tok[None, :]  # (B, V), wraps mod 2^64
+    x = x ^ ((x >> 30) & ((1 << 34) - 1))
+    x = x * _MIX1
+    x = x ^ ((x >> 27) & ((1 << 37) - 1))
+    x = x * _MIX2
+    x = x ^ ((x >> 31) & ((1 << 33) - 1))
+    top24 = (x >> 40) & 0xFFFFFF
+    return (top24.float() + 0.5) * (1.0 / 16777216.0)
+
+
+@dataclass
+class SamplingTensors:
+    """One step's per-row sampling parameters on the device, plus host flags to skip unused work."""
+    temperatures: torch.Tensor   # (B,) float32, 0 = greedy
+    top_ks: torch.Tensor         # (B,) int64, 0 = off
+    top_ps: torch.Tensor         # (B,) float32
+    min_ps: torch.Tensor         # (B,) float32
+    seeds: torch.Tensor          # (B,) int64 noise seeds
+    steps: torch.Tensor          # (B,) int64 output position being sampled
+    seeded_rows: torch.Tensor | None   # rows whose noise comes from hash_uniform
+    banned_rows: torch.Tensor | None   # (n,) with banned_tokens: logits forced to -inf (min_tokens)
+    banned_tokens: torch.Tensor | None
+    all_greedy: bool
+    any_greedy: bool
+    need_top_k: bool
+    need_top_p: bool
+    need_min_p: bool
+    max_logprobs: int | None      # largest `logprobs` requested in the batch (None: nobody asked)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor                      # (B,) int64
+    logprobs: torch.Tensor | None = None         # (B,) log-prob of the sampled token
+    top_ids: torch.Tensor | None = None          # (B, k)
+    top_logprobs: torch.Tensor | None = None     # (B, k)
+
+
+class Sampler(nn.Module):
+    def __init__(self, device: torch.device, seed: int):
+        super().__init__()
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    @torch.no_grad()
+    def forward(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+        """logits: (B, V) float32 (modified in place). Returns the sampled ids and requested logprobs."""
+        if t.banned_rows is not None:
+            logits[t.banned_rows, t.banned_tokens] = float("-inf")
+        out = SamplerOutput(token_ids=torch.empty(0))
+        if t.max_logprobs is not None:
+            logp = torch.log_softmax(logits, dim=-1)
+        greedy_ids = logits.argmax(dim=-1) if t.any_greedy else None
+        if t.all_greedy:
+            out.token_ids = greedy_ids
+        else:
+            out.token_ids = self._sample(logits, t, greedy_ids)
+        if t.max_logprobs is not None:
+            out.logprobs = logp.gather(1, out.token_ids[:, None]).squeeze(1)
+            if t.max_logprobs > 0:
+                out.top_logprobs, out.top_ids = logp.topk(t.max_logprobs, dim=-1)
+        return out
+
+    def _sample(self, logits: torch.Tensor, t: SamplingTensors, greedy_ids: torch.Tensor | None) -> torch.Tensor:
+        B, V = logits.shape
+        temps = torch.where(t.temperatures > 0, t.temperatures, torch.ones_like(t.temperatures))
+        x = logits / temps[:, None]
+        if t.need_top_k or t.need_top_p:
+            x = _apply_top_k_top_p(x, t.top_ks if t.need_top_k else None, t.top_ps if t.need_top_p else None)
+        probs = torch.softmax(x, dim=-1)                                       # (B, V)
+        if t.need_min_p:
+            floor = t.min_ps[:, None] * probs.amax(dim=-1, keepdim=True)
+            probs = probs.masked_fill(probs < floor, 0.0)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)  # (B, V) ~ Exp(1)
+        if t.seeded_rows is not None:
+            rows = t.seeded_rows
+            noise[rows] = -torch.log(hash_uniform(t.seeds[rows], t.steps[rows], V))
+        ids = (probs / noise).argmax(dim=-1)
+        if greedy_ids is not None:
+            ids = torch.where(t.temperatures > 0, ids, greedy_ids)
+        return ids
+
+
+def _apply_top_k_top_p(x: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None) -> torch.Tensor:
+    """Mask logits outside each row's top-k and top-p nucleus with -inf (rows with k=0 / p=1 untouched)."""
+    B, V = x.shape
+    sorted_x, order = x.sort(dim=-1, descending=True)                           # (B, V)
+    drop = torch.zeros_like(sorted_x, dtype=torch.bool)
+    if top_ks is not None:
+        k = torch.where(top_ks > 0, top_ks, torch.full_like(top_ks, V)).clamp(max=V)
+        drop |= torch.arange(V, device=x.device)[None, :] >= k[:, None]
+    if top_ps is not None:
+        probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
+        before = probs.cumsum(dim=-1) - probs      # mass strictly above each token
+        drop |= (before > top_ps[:, None]) & (top_ps[:, None] < 1.0)  # the top token always stays (before = 0)
+    mask = torch.empty_like(drop).scatter_(1, order, drop)
+    return x.masked_fill(mask, float("-inf"))

@@ -1,0 +1,145 @@
+"""vLLM's offline API: `LLM(model, **engine_args).generate(prompts, sampling_params)`."""
+from __future__ import annotations
+
+import itertools
+import time
+
+from nanovllm.config import EngineArgs
+from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.sampling_params import SamplingParams
+
+
+def _normalize_prompts(prompts) -> list:
+    """str | list[str] | list[list[int]] | list[int] (one tokenized prompt) | dicts -> list of prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, dict):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a string or a list, got {type(prompts).__name__}")
+    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [list(prompts)]
+    out = []
+    for p in prompts:
+        if isinstance(p, dict):
+            if "prompt_token_ids" in p:
+                p = p["prompt_token_ids"]
+            elif "prompt" in p:
+                p = p["prompt"]
+            else:
+                raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(p)}")
+        out.append(p)
+    return out
+
+
+class LLM:
+    """Offline batched generation.
+
+    >>> llm = LLM("/path/to/Qwen3-0.6B")
+    >>> llm.generate(["Hello"], SamplingParams(temperature=0.6, max_tokens=64))[0]["text"]
+    """
+
+    def __init__(self, model: str, **engine_args):
+        self.engine = LLMEngine(EngineArgs.from_kwargs(model, **engine_args))
+        self._request_ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[dict]:
+        """Generate for every prompt; returns one dict per prompt, in order, with `text`, `token_ids`,
+        `prompt_token_ids` and `finish_reason` (plus `logprobs` when asked for).
+
+        Every prompt and parameter set is validated before any request is queued: a bad one raises
+        ValueError/TypeError and leaves the engine as it was."""
+        prompts = _normalize_prompts(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        elif isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
+            params = list(sampling_params)
+        else:
+            raise TypeError(f"sampling_params must be SamplingParams or a list of them, "
+                            f"got {type(sampling_params).__name__}")
+        valid = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            try:
+                valid.append(self.engine.validate_request(p, sp))
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompt {i}: {e}") from None
+        ids = [f"gen-{next(self._request_ids)}" for _ in valid]
+        for rid, req in zip(ids, valid):
+            self.engine.add_request(rid, req)
+        try:
+            results = self._run(set(ids), use_tqdm)
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return [results[rid].to_dict() for rid in ids]
+
+    def _run(self, pending: set[str], use_tqdm: bool) -> dict:
+        results = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(pending), desc="Processed prompts", dynamic_ncols=True)
+        prefill_tps = decode_tps = 0.0
+        try:
+            while pending:
+                t = time.perf_counter()
+                outputs, n_prefill, n_decode = self.engine.step()
+                dt = max(time.perf_counter() - t, 1e-9)
+                if n_prefill:
+                    prefill_tps = n_prefill / dt
+                elif n_decode:
+                    decode_tps = n_decode / dt
+                for out in outputs:
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+                if bar is not None:
+                    bar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s")
+        finally:
+            if bar is not None:
+                bar.close()
+        return results
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[dict]:
+        """Generate replies to one conversation (a list of {"role", "content"}) or a list of them."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts (or a list of such lists)")
+        convs = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs) for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation, add_generation_prompt: bool = True,
+                            chat_template_kwargs: dict | None = None) -> list[int]:
+        """A conversation as prompt token ids, through the tokenizer's chat template."""
+        if not isinstance(conversation, (list, tuple)) or not all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in conversation):
+            raise ValueError("a conversation must be a list of {'role': ..., 'content': ...} dicts")
+        tok = self.engine.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use generate() with plain prompts")
+        text = tok.apply_chat_template(list(conversation), tokenize=False, add_generation_prompt=add_generation_prompt,
+                                       **(chat_template_kwargs or {}))
+        return tok.encode(text, add_special_tokens=False)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()

@@ -1,0 +1,128 @@
+"""The Llama-style decoder shared by Llama 3.x, Qwen2/2.5 and Qwen3.
+
+The three differ only in small switches: Qwen2 has q/k/v biases (and no o_proj bias), Qwen3 normalizes
+each query and key head (q_norm / k_norm) before RoPE, Llama 3 scales RoPE frequencies. Every layer is
+built for a tensor-parallel group (size 1 = no sharding).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from nanovllm.attention.backend import AttentionMetadata
+from nanovllm.config import ModelConfig
+from nanovllm.distributed.group import TPGroup
+from nanovllm.layers.activation import silu_and_mul_ref
+from nanovllm.layers.attention import Attention
+from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.rotary import RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class DecoderVariant:
+    qk_norm: bool = False          # Qwen3
+    qkv_bias: bool | None = None   # None: config's attention_bias
+    o_bias: bool | None = None     # None: config's attention_bias
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, variant: DecoderVariant, tp: TPGroup):
+        super().__init__()
+        d = cfg.head_dim
+        qkv_bias = cfg.attention_bias if variant.qkv_bias is None else variant.qkv_bias
+        o_bias = cfg.attention_bias if variant.o_bias is None else variant.o_bias
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_heads, cfg.num_kv_heads, qkv_bias, tp)
+        self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, o_bias, tp)
+        self.rotary_emb = RotaryEmbedding(d, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.attn = Attention(self.num_heads, d, self.num_kv_heads, d ** -0.5)
+        if variant.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        qkv = self.qkv_proj(x)                                                   # (T, (H + 2Hkv) D)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        o = self.attn(q, k, v.reshape(T, self.num_kv_heads, self.head_dim), meta)  # (T, H D)
+        return self.o_proj(o)
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+        super().__init__()
+        if cfg.hidden_act != "silu":
+            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only 'silu')")
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, cfg.mlp_bias, tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp)
+        self.act = silu_and_mul_ref  # the runner may swap in a fused kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, variant: DecoderVariant, tp: TPGroup):
+        super().__init__()
+        self.self_attn = DecoderAttention(cfg, variant, tp)
+        self.mlp = DecoderMLP(cfg, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual, meta):
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, variant: DecoderVariant, tp: TPGroup):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, variant, tp) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids, positions, meta):
+        hidden, residual = self.embed_tokens(input_ids), None       # (T, hidden)
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class DecoderForCausalLM(nn.Module):
+    # checkpoint name -> (fused parameter name, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig, variant: DecoderVariant, tp: TPGroup):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg, variant, tp)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)  # (N, vocab) float32

@@ -1,0 +1,83 @@
+"""Weights into a built model: from safetensors (sharded or not), or random for benchmarks."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def checkpoint_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(model_dir, n) for n in names]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise ValueError(f"checkpoint index lists missing file(s): {', '.join(missing)}")
+        return files
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {model_dir!r} (use load_format='dummy' for random weights)")
+    return files
+
+
+def _target(name: str, mapping: dict) -> tuple[str, object]:
+    for ckpt_part, (fused, shard) in mapping.items():
+        key = f".{ckpt_part}."
+        if key in name:
+            return name.replace(key, f".{fused}."), shard
+    return name, None
+
+
+def load_safetensors(model: nn.Module, model_dir: str) -> None:
+    """Copy every checkpoint tensor into its (possibly fused, possibly sharded) parameter."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    mapping = getattr(model, "packed_modules_mapping", {})
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    seen: set[str] = set()
+    for path in checkpoint_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if tied and name == "lm_head.weight":
+                    continue  # the head shares the embedding's parameter
+                target, shard = _target(name, mapping)
+                param = params.get(target)
+                if param is None:
+                    raise ValueError(f"checkpoint tensor {name!r} in {os.path.basename(path)} has no matching "
+                                     f"parameter in {type(model).__name__}")
+                loader = getattr(param, "weight_loader", None)
+                tensor = f.get_tensor(name)
+                if loader is None:
+                    if param.shape != tensor.shape:
+                        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                         f"parameter wants {tuple(param.shape)}")
+                    param.data.copy_(tensor)
+                else:
+                    loader(param, tensor, shard)
+                seen.add(target)
+    missing = sorted(n for n in params if n not in seen and not (tied and n == "lm_head.weight"))
+    if missing:
+        raise ValueError(f"checkpoint in {model_dir!r} lacks weights for: {', '.join(missing[:8])}"
+                         + (" ..." if len(missing) > 8 else ""))
+
+
+@torch.no_grad()
+def init_dummy(model: nn.Module, seed: int) -> None:
+    """Random weights with a plausible scale (benchmarks without a checkpoint)."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif p.dim() == 1:
+            p.zero_()
+        else:
+            p.normal_(0.0, 0.02, generator=gen)

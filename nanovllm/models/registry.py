@@ -1,0 +1,33 @@
+"""Architectures we can run, keyed by the `architectures` entry of config.json."""
+from __future__ import annotations
+
+from nanovllm.config import ModelConfig
+from nanovllm.distributed.group import TPGroup
+from nanovllm.layers.rotary import rope_inv_freq
+from nanovllm.models.decoder import DecoderForCausalLM, DecoderVariant
+
+MODEL_REGISTRY: dict[str, DecoderVariant] = {
+    "Qwen3ForCausalLM": DecoderVariant(qk_norm=True),
+    "Qwen2ForCausalLM": DecoderVariant(qkv_bias=True, o_bias=False),
+    "LlamaForCausalLM": DecoderVariant(),
+}
+
+
+def check_supported(cfg: ModelConfig) -> None:
+    """Raise ValueError if the engine can't run this model."""
+    if cfg.architecture not in MODEL_REGISTRY:
+        raise ValueError(f"architecture {cfg.architecture!r} is not supported; supported: "
+                         f"{', '.join(sorted(MODEL_REGISTRY))}")
+    if cfg.hidden_act != "silu":
+        raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only 'silu')")
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise ValueError(f"num_attention_heads={cfg.num_heads} is not a multiple of "
+                         f"num_key_value_heads={cfg.num_kv_heads}")
+    rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # raises on an unknown scaling type
+    if cfg.raw.get("use_sliding_window") and cfg.raw.get("sliding_window"):
+        raise ValueError("sliding-window attention is not supported")
+
+
+def build_model(cfg: ModelConfig, tp: TPGroup) -> DecoderForCausalLM:
+    check_supported(cfg)
+    return DecoderForCausalLM(cfg, MODEL_REGISTRY[cfg.architecture], tp)
