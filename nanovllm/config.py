@@ -217,9 +217,7 @@ class EngineConfig:
         max_batched = args.max_num_batched_tokens
         if max_batched is None:
             max_batched = 8192 if device.type == "cuda" else 2048
-        if max_batched < args.max_num_seqs and args.max_num_batched_tokens is not None:
-            raise ValueError(f"max_num_batched_tokens={max_batched} must be >= max_num_seqs={args.max_num_seqs}: "
-                             "every running sequence needs at least one token per step")
+        # every running sequence needs at least one token of each step's budget
         max_num_seqs = min(args.max_num_seqs, max_batched)
 
         backend = args.attention_backend
