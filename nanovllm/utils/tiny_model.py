@@ -1,0 +1,588 @@
+"""Tiny *random* Hugging Face checkpoints for tests and CPU demos.
+
+Nothing is downloaded: a byte-level BPE tokenizer is trained on a small
+built-in English corpus and a miniature Qwen3 / Qwen2 / Llama model is
+randomly initialised, then both are written with ``save_pretrained`` so that
+``transformers.AutoModelForCausalLM.from_pretrained(path)`` and
+``transformers.AutoTokenizer.from_pretrained(path)`` load them.  That lets the
+engine's outputs be compared token for token against transformers.
+
+Design notes
+------------
+* Weights are drawn from ``N(0, init_std)`` (default ``DEFAULT_INIT_STD`` =
+  0.3, much larger than the usual 0.02) so that the next-token distribution is
+  far from flat and greedy argmax is numerically robust: with the default
+  shapes the logits have std ~2.4 and the top-1/top-2 gap has median ~0.55 and
+  exceeds 1e-3 for ~99.8% of random prompts (see ``logit_gap_stats``).  With
+  small stds (0.02-0.1) the tied-embedding model mostly repeats one token;
+  with 0.3 greedy generations are varied.
+* Every RMSNorm weight is ``1 + 0.1 * randn`` rather than all ones, so a bug in
+  norm handling (forgotten weight, wrong eps placement, q/k norm skipped...)
+  changes the output.
+* Qwen2 q/k/v projection biases are random and non-zero (transformers would
+  initialise them to zero, hiding a forgotten bias).
+* The EOS (``<|endoftext|>``) row of the output projection is zeroed, so its
+  logit is always exactly 0 while the other logits have std ~2.4; greedy
+  decoding therefore (practically) never emits EOS.  With tied
+  embeddings this also zeroes the input embedding of ``<|endoftext|>``.
+  Tests that need an EOS stop should use a custom stop token / ``ignore_eos``.
+* The model vocabulary is the tokenizer size rounded up to a multiple of 64, so
+  a few ids at the end are valid model ids that have no text (like the padded
+  vocabularies of real Qwen checkpoints).
+* Initialisation is done by this module with its own ``torch.Generator``
+  (parameters visited in sorted-name order), so the weights depend only on
+  ``seed`` and the shapes, not on the transformers version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import os
+import shutil
+import tempfile
+import time
+import uuid
+
+__all__ = [
+    "build_tiny_checkpoint",
+    "default_tiny_model_dir",
+    "ensure_default_tiny_model",
+    "logit_gap_stats",
+    "SUPPORTED_ARCHS",
+    "DEFAULT_INIT_STD",
+    "EOS_TOKEN",
+    "IM_START",
+    "IM_END",
+    "CHAT_TEMPLATE",
+]
+
+SUPPORTED_ARCHS = ("qwen3", "qwen2", "llama")
+
+DEFAULT_INIT_STD = 0.3
+NORM_WEIGHT_STD = 0.1
+TOKENIZER_TARGET_SIZE = 480  # byte alphabet + merges (+3 specials -> 483)
+VOCAB_MULTIPLE = 64
+
+EOS_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (EOS_TOKEN, IM_START, IM_END)
+
+# Bumped whenever the on-disk result of ensure_default_tiny_model() changes.
+_FORMAT_VERSION = 1
+_MARKER_FILE = ".nanovllm_tiny_model.json"
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- endif %}"
+)
+
+# GPT-4 / Qwen2 style split: contractions, letter runs (with one leading
+# non-letter), single digits, punctuation runs, newlines, whitespace.
+_PRETOKENIZE_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
+    r"|[^\r\n\p{L}\p{N}]?\p{L}+"
+    r"|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+"
+    r"|\s+(?!\S)"
+    r"|\s+"
+)
+
+# A few paragraphs of varied English used to train the BPE merges.
+_CORPUS = [
+    """The quick brown fox jumps over the lazy dog. A journey of a thousand miles
+begins with a single step. Once upon a time, in a small village at the edge of a
+great forest, there lived an old clockmaker who repaired watches for everyone in
+town. Every morning he opened his shop at seven o'clock, swept the floor, and
+wound the tall clock that stood by the door.""",
+    """Large language models predict the next token given the previous tokens.
+During inference, the engine keeps a key-value cache for every sequence, so that
+each new token only needs one forward pass over a single position. Batching many
+requests together improves throughput, while paged memory management avoids
+fragmentation when sequences grow and shrink at different rates.""",
+    """Hello! How are you today? I'm doing well, thank you for asking. Could you
+tell me the weather forecast for tomorrow? It should be sunny in the morning,
+with a chance of rain in the afternoon. Don't forget to bring an umbrella, just
+in case. What time does the train leave? It leaves at 9:45 from platform 3.""",
+    """In mathematics, a prime number is a natural number greater than 1 that is
+not a product of two smaller natural numbers. The first primes are 2, 3, 5, 7,
+11, 13, 17, 19, 23 and 29. Euclid proved that there are infinitely many primes;
+the sum 1 + 2 + 3 + ... + n equals n(n + 1) / 2, and 2^10 = 1024.""",
+    """def fibonacci(n):
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, a + b
+    return a
+
+print([fibonacci(i) for i in range(10)])  # [0, 1, 1, 2, 3, 5, 8, 13, 21, 34]""",
+    """The history of science is full of surprises. Astronomers once believed
+that the planets moved in perfect circles; later observations showed that their
+orbits are ellipses. Chemists learned that water is made of hydrogen and oxygen,
+and biologists discovered that living cells contain the instructions for
+building proteins. Each discovery raised new questions for the next generation.""",
+    """Recipe for simple bread: mix 500 grams of flour, 10 grams of salt, 7 grams
+of yeast and 350 millilitres of warm water. Knead the dough for ten minutes,
+let it rise for an hour, shape it into a loaf, and bake it at 220 degrees for
+thirty minutes until the crust is golden brown. Let it cool before slicing.""",
+    """Dear team, thanks again for the great work this quarter. We shipped the new
+release on time, fixed more than forty bugs, and the customers have noticed.
+Please remember to update your documentation, review the open pull requests, and
+write tests for any new feature. Best regards, and have a nice weekend!""",
+]
+
+
+# ----------------------------------------------------------------------------
+# Tokenizer
+# ----------------------------------------------------------------------------
+
+
+def _train_tokenizer_object(target_size: int = TOKENIZER_TARGET_SIZE):
+    """Train a byte-level BPE ``tokenizers.Tokenizer`` on the built-in corpus.
+
+    Special tokens are added after training, so they get the highest ids (like
+    Qwen's ``<|endoftext|>``), which also keeps id 0 an ordinary token.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    # Qwen-style pipeline (NFC, regex split, byte-level without its own regex):
+    # transformers 5 loads "qwen2" checkpoints with Qwen2Tokenizer, which
+    # rebuilds exactly this pipeline from vocab + merges, so tokenizer.json and
+    # every tokenizer class transformers may pick agree token for token.
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_PRETOKENIZE_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=target_size,
+        min_frequency=2,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+    )
+    # Repeat the corpus a little so that frequent pairs clearly win; the merge
+    # order is deterministic for a fixed corpus.
+    tok.train_from_iterator(list(_CORPUS) * 2, trainer=trainer)
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return tok
+
+
+def _build_hf_tokenizer():
+    from transformers import PreTrainedTokenizerFast
+
+    tok_obj = _train_tokenizer_object()
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok_obj,
+        eos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        additional_special_tokens=[IM_START, IM_END],
+        clean_up_tokenization_spaces=False,
+        model_max_length=1 << 30,
+    )
+    hf_tok.chat_template = CHAT_TEMPLATE
+    return hf_tok
+
+
+# ----------------------------------------------------------------------------
+# Model config
+# ----------------------------------------------------------------------------
+
+
+def _config_class(arch: str):
+    import transformers
+
+    names = {
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    }
+    cfg_name, model_name = names[arch]
+    return getattr(transformers, cfg_name), getattr(transformers, model_name), model_name
+
+
+def _init_params(cls) -> tuple[set[str], bool]:
+    """(parameter names of ``cls.__init__``, whether it also takes ``**kwargs``)."""
+    params = inspect.signature(cls.__init__).parameters
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return set(params), var_kw
+
+
+def _uses_rope_parameters(cfg_cls) -> bool:
+    """transformers >= 5 configs take ``rope_parameters`` (with rope_theta inside)."""
+    names, _ = _init_params(cfg_cls)
+    if "rope_parameters" in names:
+        return True
+    try:
+        import transformers
+
+        return int(transformers.__version__.split(".")[0]) >= 5
+    except Exception:  # pragma: no cover
+        return False
+
+
+def _make_config(arch, *, vocab_size, hidden_size, num_layers, num_heads, num_kv_heads,
+                 head_dim, intermediate_size, max_position_embeddings,
+                 tie_word_embeddings, eos_id, init_std):
+    import torch
+
+    cfg_cls, model_cls, model_name = _config_class(arch)
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        hidden_act="silu",
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=init_std,
+        rms_norm_eps=1e-6,
+        use_cache=True,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        attention_dropout=0.0,
+    )
+    if arch == "llama":
+        rope_theta = 500000.0
+        rope_scaling = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": max(16, max_position_embeddings // 4),
+        }
+        kwargs.update(attention_bias=False, mlp_bias=False)
+    else:
+        rope_theta = 1000000.0
+        rope_scaling = None
+        kwargs.update(use_sliding_window=False, sliding_window=None, max_window_layers=num_layers)
+        if arch == "qwen3":
+            kwargs.update(attention_bias=False)
+
+    names, var_kw = _init_params(cfg_cls)
+    accepted = None if var_kw else names
+    if _uses_rope_parameters(cfg_cls):
+        # transformers >= 5: rope_theta lives inside rope_parameters.
+        rope = {"rope_type": "default"} if rope_scaling is None else dict(rope_scaling)
+        rope["rope_theta"] = rope_theta
+        kwargs["rope_parameters"] = rope
+    else:
+        kwargs["rope_theta"] = rope_theta
+        kwargs["rope_scaling"] = rope_scaling
+
+    extra = {}
+    if accepted is not None:
+        extra = {k: v for k, v in kwargs.items() if k not in accepted}
+        kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+    config = cfg_cls(**kwargs)
+    for k, v in extra.items():
+        # e.g. head_dim for Qwen2Config in transformers 5 (read with getattr).
+        if k in ("head_dim",):
+            setattr(config, k, v)
+    config.architectures = [model_name]
+    # float32 checkpoint; the attribute name changed in transformers 5.
+    if hasattr(config, "dtype") or "dtype" in names:
+        config.dtype = torch.float32
+    else:
+        config.torch_dtype = torch.float32
+    return config, model_cls
+
+
+# ----------------------------------------------------------------------------
+# Random initialisation
+# ----------------------------------------------------------------------------
+
+
+def _randomize_(model, *, seed: int, init_std: float, eos_id: int, arch: str):
+    import torch
+
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(seed)
+    params = dict(model.named_parameters())  # tied weights appear once
+    with torch.no_grad():
+        for name in sorted(params):
+            p = params[name]
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if p.ndim == 1 and name.endswith("norm.weight"):
+                p.copy_(1.0 + NORM_WEIGHT_STD * noise)
+            else:
+                # Linear / embedding weights and (Qwen2) q/k/v biases.
+                p.copy_(init_std * noise)
+        if arch == "qwen2":
+            for name, p in params.items():
+                if name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")) and not torch.all(p != 0):
+                    raise RuntimeError(f"qwen2 bias {name} has zero entries")
+        # Suppress EOS: its logit becomes exactly 0 (see module docstring).
+        out = model.get_output_embeddings()
+        out.weight[eos_id].zero_()
+
+
+# ----------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------
+
+
+def _dir_is_nonempty(path: str) -> bool:
+    return os.path.isdir(path) and any(True for _ in os.scandir(path))
+
+
+def build_tiny_checkpoint(path, arch="qwen3", *, vocab_size=None, hidden_size=64, num_layers=2,
+                          num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+                          max_position_embeddings=4096, tie_word_embeddings=True, seed=0,
+                          max_shard_size=None, init_std=None, overwrite=False) -> str:
+    """Write a tiny random HF checkpoint (model + tokenizer) to ``path``.
+
+    Returns the absolute path.  ``arch`` is "qwen3", "qwen2" or "llama".
+    ``vocab_size`` defaults to the tokenizer size rounded up to a multiple of
+    64 and must be >= the tokenizer size.  ``max_shard_size`` (e.g. "20KB")
+    produces a sharded checkpoint with ``model.safetensors.index.json``.
+    The checkpoint is assembled in a sibling temporary directory and renamed
+    into place, so ``path`` never holds a half-written checkpoint.
+    """
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"unknown tiny-model arch {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError("num_heads must be a multiple of num_kv_heads")
+    if arch == "qwen2" and head_dim * num_heads != hidden_size:
+        raise ValueError("qwen2 requires head_dim * num_heads == hidden_size")
+    init_std = DEFAULT_INIT_STD if init_std is None else float(init_std)
+
+    path = os.path.abspath(os.fspath(path))
+    if _dir_is_nonempty(path):
+        if not overwrite:
+            raise FileExistsError(f"{path} exists and is not empty (pass overwrite=True)")
+    elif os.path.exists(path) and not os.path.isdir(path):
+        raise FileExistsError(f"{path} exists and is not a directory")
+
+    import torch
+    from transformers import GenerationConfig
+
+    tokenizer = _build_hf_tokenizer()
+    tok_size = len(tokenizer)
+    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    if vocab_size is None:
+        vocab_size = -(-tok_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    elif vocab_size < tok_size:
+        raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({tok_size} tokens)")
+
+    config, model_cls = _make_config(
+        arch, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings, eos_id=eos_id, init_std=init_std,
+    )
+
+    torch.manual_seed(seed)
+    prev_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        model = model_cls(config)
+    finally:
+        torch.set_default_dtype(prev_dtype)
+    model = model.float().eval()
+    _randomize_(model, seed=seed, init_std=init_std, eos_id=eos_id, arch=arch)
+    model.generation_config = GenerationConfig(
+        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, do_sample=False,
+    )
+
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
+    try:
+        save_kwargs = {}
+        save_params = inspect.signature(model.save_pretrained).parameters
+        if "safe_serialization" in save_params:
+            save_kwargs["safe_serialization"] = True
+        if max_shard_size is not None:
+            save_kwargs["max_shard_size"] = max_shard_size
+        with _quiet_progress_bars():
+            model.save_pretrained(tmp, **save_kwargs)
+        tokenizer.save_pretrained(tmp)
+        # Make sure architectures / generation config are on disk whatever the
+        # transformers version decided to write.
+        cfg_file = os.path.join(tmp, "config.json")
+        with open(cfg_file) as f:
+            cfg_json = json.load(f)
+        if not cfg_json.get("architectures"):
+            cfg_json["architectures"] = list(config.architectures)
+            with open(cfg_file, "w") as f:
+                json.dump(cfg_json, f, indent=2, sort_keys=True)
+        if not os.path.exists(os.path.join(tmp, "generation_config.json")):
+            model.generation_config.save_pretrained(tmp)
+        marker = {
+            "format_version": _FORMAT_VERSION,
+            "arch": arch,
+            "seed": seed,
+            "init_std": init_std,
+            "tokenizer_size": tok_size,
+            "vocab_size": vocab_size,
+            "eos_token_id": eos_id,
+            "transformers_version": _transformers_version(),
+        }
+        with open(os.path.join(tmp, _MARKER_FILE), "w") as f:
+            json.dump(marker, f, indent=2)
+
+        if os.path.isdir(path):
+            if _dir_is_nonempty(path):
+                if not overwrite:
+                    raise FileExistsError(f"{path} appeared while building")
+                _remove_dir(path)
+            else:
+                os.rmdir(path)
+        os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def _transformers_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("transformers")
+    except Exception:  # pragma: no cover - unusual installs
+        import transformers
+
+        return transformers.__version__
+
+
+@contextlib.contextmanager
+def _quiet_progress_bars():
+    """Silence transformers' "Writing model shards" progress bar."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        was_enabled = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+    except Exception:  # pragma: no cover - API missing in some version
+        yield
+        return
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _remove_dir(path: str) -> None:
+    """Move ``path`` aside atomically, then delete it."""
+    trash = f"{path}.trash-{uuid.uuid4().hex[:8]}"
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def default_tiny_model_dir() -> str:
+    """Where ``ensure_default_tiny_model`` keeps its checkpoint.
+
+    ``$NANOVLLM_TINY_MODEL_DIR`` if set, else ``$NANOVLLM_CACHE/tiny-qwen3-random``
+    with ``$NANOVLLM_CACHE`` defaulting to ``~/.cache/nanovllm``.
+    """
+    explicit = os.environ.get("NANOVLLM_TINY_MODEL_DIR")
+    if explicit:
+        return os.path.abspath(os.path.expanduser(explicit))
+    cache = os.environ.get("NANOVLLM_CACHE") or os.path.join("~", ".cache", "nanovllm")
+    return os.path.abspath(os.path.join(os.path.expanduser(cache), "tiny-qwen3-random"))
+
+
+def _is_complete(path: str) -> bool:
+    try:
+        with open(os.path.join(path, _MARKER_FILE)) as f:
+            marker = json.load(f)
+    except (OSError, ValueError):
+        return False
+    # Rebuild when the format or the transformers version changed (the saved
+    # tokenizer / config files are written by, and for, that version).
+    if marker.get("format_version") != _FORMAT_VERSION:
+        return False
+    if marker.get("transformers_version") != _transformers_version():
+        return False
+    needed = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+    if not all(os.path.isfile(os.path.join(path, n)) for n in needed):
+        return False
+    return (os.path.isfile(os.path.join(path, "model.safetensors"))
+            or os.path.isfile(os.path.join(path, "model.safetensors.index.json")))
+
+
+@contextlib.contextmanager
+def _file_lock(lock_path: str, timeout: float = 600.0):
+    try:
+        import fcntl
+    except ImportError:  # non-POSIX: rely on the atomic rename alone
+        yield
+        return
+    with open(lock_path, "a+") as fh:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"could not lock {lock_path}")
+                time.sleep(0.05)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def ensure_default_tiny_model() -> str:
+    """Build the default tiny Qwen3 checkpoint once and return its path.
+
+    Idempotent and safe to call concurrently: an existing complete checkpoint is
+    reused; otherwise it is built in a temporary sibling directory and renamed
+    into place (an incomplete / outdated directory is replaced).
+    """
+    path = default_tiny_model_dir()
+    if _is_complete(path):
+        return path
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    with _file_lock(os.path.join(parent, f".{os.path.basename(path)}.lock")):
+        if _is_complete(path):
+            return path
+        return build_tiny_checkpoint(path, "qwen3", overwrite=True)
+
+
+# ----------------------------------------------------------------------------
+# Diagnostics
+# ----------------------------------------------------------------------------
+
+
+def logit_gap_stats(model, *, num_prompts=64, prompt_len=12, seed=1234, vocab_limit=None):
+    """Top-1 minus top-2 next-token logit gap for random prompts.
+
+    Returns a dict with min / median / mean and the fraction of prompts whose
+    gap exceeds 1e-3, 1e-2 and 1e-1.  ``model`` is a transformers causal LM.
+    """
+    import torch
+
+    vocab = vocab_limit or model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (num_prompts, prompt_len), generator=gen)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, -1, :].float()
+    top2 = logits.topk(2, dim=-1).values
+    gap = top2[:, 0] - top2[:, 1]
+    return {
+        "min": gap.min().item(),
+        "median": gap.median().item(),
+        "mean": gap.mean().item(),
+        "frac_gt_1e-3": (gap > 1e-3).float().mean().item(),
+        "frac_gt_1e-2": (gap > 1e-2).float().mean().item(),
+        "frac_gt_1e-1": (gap > 1e-1).float().mean().item(),
+        "logit_std": logits.std().item(),
+    }
