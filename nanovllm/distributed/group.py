@@ -14,21 +14,70 @@ class TPGroup:
     group: Any = None  # torch.distributed ProcessGroup when size > 1
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum x over the ranks, in place; returns x."""
         if self.size > 1:
             import torch.distributed as dist
             dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
-        """Concatenate each rank's x along the last dim, rank order."""
+        """Concatenate each rank's x along the last dim, rank order.
+
+        One collective into a single (size * rows, cols) buffer (the layout both NCCL and gloo accept),
+        then a transpose of the rank axis next to the last dim."""
         if self.size == 1:
             return x
         import torch.distributed as dist
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+        x = x.contiguous()
+        out = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, x, group=self.group)
+        out = out.view(self.size, *x.shape).movedim(0, -2)      # (..., size, cols)
+        return out.reshape(*x.shape[:-1], self.size * x.shape[-1])
 
 
 def check_tp_supported(tp_size: int, model_cfg, device: torch.device) -> None:
-    """Raise ValueError if this model can't be split over `tp_size` ranks on `device`."""
-    raise ValueError(f"tensor_parallel_size={tp_size} is not supported yet; use tensor_parallel_size=1")
+    """Raise ValueError if this model can't be split over `tp_size` ranks on `device`.
+
+    Query heads, the MLP's intermediate size are split evenly; key/value heads are split evenly, or,
+    when there are fewer of them than ranks, replicated (so tp_size must be a multiple of them). The
+    vocabulary is padded to a multiple of tp_size, so any size works. Each rank needs its own GPU."""
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+        raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp_size!r}")
+    if tp_size == 1:
+        return
+    heads, kv_heads = model_cfg.num_heads, model_cfg.num_kv_heads
+    if heads % tp_size:
+        raise ValueError(f"num_attention_heads={heads} is not divisible by tensor_parallel_size={tp_size}")
+    if kv_heads >= tp_size:
+        if kv_heads % tp_size:
+            raise ValueError(f"num_key_value_heads={kv_heads} is not divisible by "
+                             f"tensor_parallel_size={tp_size}")
+    elif tp_size % kv_heads:
+        raise ValueError(f"num_key_value_heads={kv_heads} is fewer than tensor_parallel_size={tp_size} and "
+                         f"does not divide it, so the key/value heads can't be replicated evenly")
+    if model_cfg.intermediate_size % tp_size:
+        raise ValueError(f"intermediate_size={model_cfg.intermediate_size} is not divisible by "
+                         f"tensor_parallel_size={tp_size}")
+
+    import torch.distributed as dist
+    if not dist.is_available():
+        raise ValueError(f"tensor_parallel_size={tp_size} needs torch.distributed, which this torch build lacks")
+    device = torch.device(device)
+    if device.type == "cuda":
+        if device.index is not None:
+            raise ValueError(f"device={str(device)!r} pins every rank to one GPU; with tensor_parallel_size="
+                             f"{tp_size} use device='cuda' (rank r runs on cuda:r; pick GPUs with "
+                             f"CUDA_VISIBLE_DEVICES)")
+        n = torch.cuda.device_count()
+        if n < tp_size:
+            raise ValueError(f"tensor_parallel_size={tp_size} needs {tp_size} CUDA devices, "
+                             f"but only {n} are visible")
+        if not dist.is_nccl_available():
+            raise ValueError(f"tensor_parallel_size={tp_size} on CUDA needs NCCL, which this torch build lacks")
+    elif device.type == "cpu":
+        if not dist.is_gloo_available():
+            raise ValueError(f"tensor_parallel_size={tp_size} on CPU needs the gloo backend, "
+                             f"which this torch build lacks")
+    else:
+        raise ValueError(f"tensor_parallel_size={tp_size} is not supported on device {str(device)!r}")

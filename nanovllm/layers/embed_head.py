@@ -22,7 +22,7 @@ class VocabParallelEmbedding(nn.Module):
         if loaded.shape[0] != self.vocab_size or loaded.shape[1] != param.shape[1]:
             raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit a "
                              f"({self.vocab_size}, {param.shape[1]}) embedding")
-        n = min(self.shard_size, self.vocab_size - self.vocab_start)
+        n = max(0, min(self.shard_size, self.vocab_size - self.vocab_start))  # a tail rank may hold only padding
         param.data[:n].copy_(loaded[self.vocab_start:self.vocab_start + n])
         param.data[n:].zero_()
 

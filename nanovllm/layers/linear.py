@@ -64,6 +64,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TPGroup):
         self.output_sizes = list(output_sizes)
+        for i, n in enumerate(self.output_sizes):  # each part is split on its own
+            _divide(n, tp.size, f"output features of part {i}")
         super().__init__(in_features, sum(output_sizes), bias, tp)
 
     def weight_loader(self, param, loaded, shard_id=None):
