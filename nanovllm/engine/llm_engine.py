@@ -76,7 +76,7 @@ def _eos_ids(model_dir: str, config_eos: tuple[int, ...], tokenizer) -> frozense
             return frozenset(eos if isinstance(eos, list) else [eos])
     if config_eos:
         return frozenset(config_eos)
-    if getattr(tokenizer, "eos_token_id", None) is not None:
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
         return frozenset([tokenizer.eos_token_id])
     return frozenset()
 
@@ -85,7 +85,14 @@ class LLMEngine:
     def __init__(self, args: EngineArgs):
         t0 = time.perf_counter()
         self.config = EngineConfig.resolve(args)
-        self.tokenizer = _load_tokenizer(args.tokenizer or self.config.model_dir)
+        try:
+            self.tokenizer = _load_tokenizer(args.tokenizer or self.config.model_dir)
+        except ValueError:
+            if args.load_format != "dummy":
+                raise
+            # benchmarks on a bare config.json: token-id prompts only, outputs carry no text
+            logger.warning("no tokenizer in %s: only token-id prompts are accepted", self.config.model_dir)
+            self.tokenizer = None
         self.eos_token_ids = _eos_ids(self.config.model_dir, self.config.model.eos_token_ids, self.tokenizer)
         self.runner = self._make_runner()
         self.block_manager = BlockManager(self.runner.num_kvcache_blocks, self.config.block_size,
@@ -117,6 +124,8 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass prompts as token ids")
             return self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)):
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -159,7 +168,7 @@ class LLMEngine:
         seq = Sequence(next(self._seq_ids), request_id, req.prompt_token_ids, p, req.max_tokens,
                        frozenset(stop_ids), p.seed if seeded else self._noise_rng.getrandbits(63), seeded)
         seq.stream = stream
-        if stream or p.stop_strings:
+        if (stream or p.stop_strings) and self.tokenizer is not None:
             seq.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens)
         seq.arrival_time = time.monotonic()
         self.requests[request_id] = seq
@@ -253,9 +262,10 @@ class LLMEngine:
         new_ids = out_ids[seq.num_emitted:]
         if seq.detok is not None:
             text = seq.detok.text
+        elif seq.is_finished and self.tokenizer is not None:
+            text = self.tokenizer.decode(out_ids, skip_special_tokens=seq.params.skip_special_tokens)
         else:
-            text = self.tokenizer.decode(out_ids, skip_special_tokens=seq.params.skip_special_tokens) \
-                if seq.is_finished else ""
+            text = ""
         new_text = text[len(seq.text):] if seq.stream else ""
         new_lp = seq.logprobs[seq.num_emitted:] if seq.logprobs is not None else None
         seq.num_emitted = len(out_ids)

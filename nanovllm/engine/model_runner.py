@@ -1,6 +1,7 @@
 """The model runner owns the model, its KV cache and the sampler, and turns a StepBatch into tokens."""
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from dataclasses import dataclass
@@ -46,7 +47,16 @@ class ModelRunner:
         self.backend = get_attention_backend(config.attention_backend)
         self.sampler = Sampler(self.device, config.args.seed)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        if config.attention_backend == "triton":
+            self._install_fused_ops()
         self.num_kvcache_blocks = self._allocate_kv_cache()
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_sizes: list[int] = []
+        self.capture_seconds = 0.0
+        if self.device.type == "cuda" and not config.args.enforce_eager:
+            t0 = time.perf_counter()
+            self._capture_cudagraphs()
+            self.capture_seconds = time.perf_counter() - t0
 
     # --- setup -------------------------------------------------------------------------------------
     def _load_model(self):
@@ -64,6 +74,19 @@ class ModelRunner:
         else:
             load_safetensors(model, cfg.model_dir)
         return model.eval()
+
+    def _install_fused_ops(self) -> None:
+        """Swap the torch reference ops for their Triton kernels (norms, RoPE, SiLU-and-mul)."""
+        from nanovllm import kernels
+        from nanovllm.layers.layernorm import RMSNorm
+        from nanovllm.layers.rotary import RotaryEmbedding
+        from nanovllm.models.decoder import DecoderMLP
+        ops = kernels.TritonOps()
+        for m in self.model.modules():
+            if isinstance(m, (RMSNorm, RotaryEmbedding)):
+                m.fused = ops
+            elif isinstance(m, DecoderMLP):
+                m.act = ops.silu_and_mul
 
     def kv_bytes_per_block(self) -> int:
         m = self.config.model
@@ -163,6 +186,53 @@ class ModelRunner:
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
 
+    # --- CUDA graphs (decode) -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def _capture_cudagraphs(self) -> None:
+        """One graph per decode batch size, over static input buffers.
+
+        A batch of n sequences replays the smallest graph of size >= n; the padded rows have slot -1 and
+        seq_len 0, which every attention backend treats as "skip"."""
+        cfg = self.config
+        max_bs = min(cfg.max_num_seqs, 512)
+        self.graph_sizes = sorted({b for b in (1, 2, 4, 8, *range(16, max_bs + 1, 16)) if b <= max_bs} | {max_bs})
+        max_blocks = -(-cfg.max_model_len // self.block_size)
+        dev = self.device
+        self.g_input_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.g_positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.g_slots = torch.full((max_bs,), -1, dtype=torch.int64, device=dev)
+        self.g_seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=dev)
+        self.g_tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=dev)
+        self.g_cu = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
+        self.g_hidden = torch.zeros(max_bs, cfg.model.hidden_size, dtype=self.dtype, device=dev)
+        pool = None
+        for bs in reversed(self.graph_sizes):
+            meta = AttentionMetadata(self.g_slots[:bs], self.g_cu[:bs + 1], self.g_seq_lens[:bs],
+                                     self.g_tables[:bs], max_seqlen_q=1, is_decode=True)
+            self.g_hidden[:bs] = self.model(self.g_input_ids[:bs], self.g_positions[:bs], meta)  # warm up
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                self.g_hidden[:bs] = self.model(self.g_input_ids[:bs], self.g_positions[:bs], meta)
+            pool = graph.pool()
+            self.graphs[bs] = graph
+            torch.cuda.synchronize()
+
+    def _replay(self, batch: StepBatch) -> torch.Tensor:
+        n = batch.num_seqs
+        bs = self.graph_sizes[bisect.bisect_left(self.graph_sizes, n)]
+        width = max(len(t) for t in batch.block_tables)
+        tables = [t + [0] * (width - len(t)) for t in batch.block_tables]
+        self.g_input_ids[:n].copy_(self._to_device(batch.input_ids, torch.int64), non_blocking=True)
+        self.g_positions[:n].copy_(self._to_device(batch.positions, torch.int64), non_blocking=True)
+        self.g_slots[:n].copy_(self._to_device(batch.slot_mapping, torch.int64), non_blocking=True)
+        self.g_seq_lens[:n].copy_(self._to_device(batch.seq_lens, torch.int32), non_blocking=True)
+        self.g_tables[:n, :width].copy_(self._to_device(tables, torch.int32), non_blocking=True)
+        if bs > n:
+            self.g_slots[n:bs].fill_(-1)
+            self.g_seq_lens[n:bs].zero_()
+        self.graphs[bs].replay()
+        return self.g_hidden[:n]
+
     # --- one step ----------------------------------------------------------------------------------
     def _to_device(self, data, dtype) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype)
@@ -203,8 +273,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepResult | None:
         """Run one step. Returns the sampled tokens (on the rank that samples), else None."""
-        input_ids, positions, meta = self._prepare(batch)
-        hidden = self.model(input_ids, positions, meta)                       # (T, hidden)
+        if batch.is_decode and self.graphs and batch.num_seqs <= self.graph_sizes[-1]:
+            hidden = self._replay(batch)                                      # (B, hidden)
+        else:
+            input_ids, positions, meta = self._prepare(batch)
+            hidden = self.model(input_ids, positions, meta)                   # (T, hidden)
         if not batch.sample_rows:
             return StepResult(token_ids=[]) if self.tp.rank == 0 else None
         last = self._to_device([batch.cu_seqlens_q[b + 1] - 1 for b in batch.sample_rows], torch.int64)

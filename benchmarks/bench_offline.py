@@ -1,0 +1,101 @@
+"""Offline throughput on the reference workload (256 requests, temperature 0.6, ignore_eos).
+
+    python benchmarks/bench_offline.py --model benchmarks/models/qwen3-0.6b --load-format dummy
+
+Prints output tok/s, total time, achieved memory bandwidth (weights once per step + every scheduled
+sequence's KV), peak GPU memory and startup time, and writes the numbers as JSON with --json.
+Warm-up (a short generate) is excluded from the timing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm.cli import add_engine_args, engine_kwargs  # noqa: E402
+from workload import offline_workload  # noqa: E402
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="checkpoint dir, or a dir with only config.json (--load-format dummy)")
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--max-input-len", type=int, default=1024)
+    ap.add_argument("--max-output-len", type=int, default=1024)
+    ap.add_argument("--json", default=None, help="append the result as a JSON line to this file")
+    ap.add_argument("--label", default="")
+    add_engine_args(ap)
+    ns = ap.parse_args(argv)
+    kwargs = {"max_model_len": 4096, **engine_kwargs(ns)}
+
+    prompts, max_tokens = offline_workload(ns.num_seqs, ns.max_input_len, ns.max_output_len)
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
+
+    cuda = torch.cuda.is_available() and kwargs.get("device", "auto") != "cpu"
+    t0 = time.perf_counter()
+    llm = LLM(ns.model, **kwargs)
+    startup = time.perf_counter() - t0
+    eng = llm.engine
+    runner = eng.runner
+
+    # count what each step must read: weights once, plus the KV of every scheduled sequence
+    steps = {"n": 0, "kv_tokens": 0}
+    real_execute = runner.execute
+
+    def counting_execute(batch):
+        steps["n"] += 1
+        steps["kv_tokens"] += sum(batch.seq_lens)
+        return real_execute(batch)
+
+    llm.generate([[1, 2, 3, 4]] * 4, SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    runner.execute = counting_execute
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    if cuda:
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t
+    runner.execute = real_execute
+
+    n_out = sum(len(o["token_ids"]) for o in outs)
+    if n_out != sum(max_tokens):
+        raise SystemExit(f"expected {sum(max_tokens)} output tokens, got {n_out}")
+    mcfg = eng.config.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    kv_per_token = runner.kv_bytes_per_block() // eng.config.block_size
+    moved = steps["n"] * weight_bytes + steps["kv_tokens"] * kv_per_token
+    res = {
+        "label": ns.label, "model": os.path.basename(os.path.normpath(ns.model)), "arch": mcfg.architecture,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "engine_args": {k: v for k, v in kwargs.items()},
+        "requests": len(prompts), "prompt_tokens": sum(map(len, prompts)), "output_tokens": n_out,
+        "elapsed_s": round(elapsed, 3), "output_tok_s": round(n_out / elapsed, 1),
+        "total_tok_s": round((n_out + sum(map(len, prompts))) / elapsed, 1),
+        "steps": steps["n"], "achieved_GB_s": round(moved / elapsed / 1e9, 1),
+        "peak_gpu_mem_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+        "startup_s": round(startup, 2), "cuda_graph_capture_s": round(getattr(runner, "capture_seconds", 0.0), 2),
+        "kv_blocks": eng.block_manager.num_blocks, "preemptions": eng.scheduler.num_preemptions,
+    }
+    print(f"{res['model']}: {n_out} tokens in {elapsed:.2f}s = {res['output_tok_s']:.0f} output tok/s | "
+          f"{res['achieved_GB_s']} GB/s over {steps['n']} steps | peak {res['peak_gpu_mem_GiB']} GiB | "
+          f"startup {startup:.1f}s (graphs {res['cuda_graph_capture_s']}s)")
+    print(json.dumps(res))
+    if ns.json:
+        with open(ns.json, "a") as f:
+            f.write(json.dumps(res) + "\n")
+    llm.shutdown()
+    return res
+
+
+if __name__ == "__main__":
+    main()
