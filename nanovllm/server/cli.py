@@ -1,0 +1,65 @@
+"""`nanovllm serve MODEL [--host] [--port] [--api-key] [--served-model-name] [engine args]`.
+
+Importing this module needs neither FastAPI nor uvicorn (the server is an optional extra); they are
+imported when the command runs, with a clear message if they are missing.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+INSTALL_HINT = "the server needs the optional 'server' extra: pip install -e '.[server]' (FastAPI + uvicorn)"
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    from nanovllm.cli import add_engine_args
+
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                              description="Serve MODEL over an OpenAI-compatible HTTP API "
+                                          "(/v1/completions, /v1/chat/completions, /v1/models, /metrics...).")
+    p.add_argument("model", metavar="MODEL", help="Hugging Face checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $NANOVLLM_API_KEY, else none)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients use in 'model' (default: the MODEL path)")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.add_argument("--disable-access-log", action="store_true", help="do not log every HTTP request")
+    add_engine_args(p)
+    p.set_defaults(func=serve_command)
+    return p
+
+
+def serve_command(ns: argparse.Namespace) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError as e:
+        print(f"nanovllm serve: {INSTALL_HINT} (missing: {e.name})", file=sys.stderr)
+        return 1
+    from nanovllm.cli import engine_kwargs
+    from nanovllm.config import EngineArgs
+    from nanovllm.engine.llm_engine import LLMEngine
+    from nanovllm.server.api import build_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    t0 = time.perf_counter()
+    engine = LLMEngine(EngineArgs.from_kwargs(ns.model, **engine_kwargs(ns)))
+    print(f"[nanovllm] engine ready in {time.perf_counter() - t0:.1f}s (device={engine.config.device}, "
+          f"dtype={engine.config.dtype}, max_model_len={engine.config.max_model_len}, "
+          f"kv blocks={engine.block_manager.num_blocks})", file=sys.stderr)
+    try:
+        app = build_app(engine, ns.served_model_name, ns.api_key)
+        names = ", ".join(app.state.server.names)
+        print(f"[nanovllm] serving {names} on http://{ns.host}:{ns.port}/v1"
+              + (" (API key required)" if ns.api_key else ""), file=sys.stderr)
+        uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
+                    access_log=not ns.disable_access_log, timeout_keep_alive=30, timeout_graceful_shutdown=5)
+    finally:
+        engine.shutdown()
+    return 0
