@@ -1,0 +1,50 @@
+"""Small host-side helpers shared by the kernel wrappers (argument checks, launch-size helpers)."""
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def next_pow2(n: int) -> int:
+    n = int(n)
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def is_pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def check_float(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name}: unsupported dtype {t.dtype}; expected one of float32/float16/bfloat16")
+
+
+def check_int(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: expected an int32/int64 tensor, got {t.dtype}")
+
+
+def check_last_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name}: the last dimension must be contiguous (stride 1), got strides {tuple(t.stride())}"
+                         f" for shape {tuple(t.shape)}; call .contiguous() first")
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"all tensors must be on one device, got {devices}")
+
+
+_SM_COUNT: dict = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Number of SMs of a CUDA device (host query, cached); 132 (an H100/H200) elsewhere."""
+    if device.type != "cuda":
+        return 132
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]

@@ -1,0 +1,433 @@
+"""Paged attention over the block-table KV cache: a varlen (mixed prefill/decode) flash-attention kernel and a
+split-KV (flash-decoding) decode kernel. Semantics are those of ``nanovllm.attention.torch_ref``.
+
+Common design points
+--------------------
+* K/V live in ``(num_blocks, block_size, num_kv_heads, head_dim)`` caches; a tile of ``BLOCK_N`` keys is
+  addressed through the sequence's block-table row. When ``block_size % BLOCK_N == 0`` a tile lies inside one
+  physical block (one scalar block-table load per tile); otherwise every key looks up its own block.
+* GQA packing: a program owns one KV head and processes all ``G = H // Hkv`` query heads that share it, stacked
+  along the M dimension of the ``tl.dot`` (row ``r`` = query ``r // G_PAD``, head ``r % G_PAD``), so each K/V tile
+  is loaded once per KV head. ``G`` is padded to a power of two; padded rows are masked out.
+* Online softmax in float32 in the log2 domain (``exp2``); the scale is folded into one multiply.
+* Keys past a sequence's length are never used: their loads are masked (stale or uninitialised cache memory,
+  even NaN, cannot leak into the output). Sequences with ``seq_len == 0`` produce zeros.
+* No host syncs: every launch size comes from tensor shapes (and the host int ``max_seqlen_q``).
+"""
+from __future__ import annotations
+
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels._common import (check_float, check_int, check_same_device, is_pow2, next_pow2, sm_count)
+
+_LOG2E = 1.4426950408889634
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# shared device helpers
+# ----------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _kv_rows(bt_row, n0, offs_n, n_limit, stride_kb, stride_ks,
+             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """Element offsets (int64, without head/dim terms) of the cache rows holding keys n0 + offs_n."""
+    if BLOCK_SIZE % BLOCK_N == 0:
+        # the whole tile sits in one physical block (tiles start at multiples of BLOCK_N)
+        blk = tl.load(bt_row + n0 // BLOCK_SIZE).to(tl.int64)
+        rows = blk * stride_kb + ((n0 % BLOCK_SIZE) + offs_n).to(tl.int64) * stride_ks
+    else:
+        n = n0 + offs_n
+        if MASKED:
+            blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n < n_limit, other=0).to(tl.int64)
+        else:
+            blk = tl.load(bt_row + n // BLOCK_SIZE).to(tl.int64)
+        rows = blk * stride_kb + (n % BLOCK_SIZE).to(tl.int64) * stride_ks
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# prefill / mixed batch
+# ----------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _prefill_kernel(
+    Q, K, V, Out, CU, SEQ_LENS, BT, qk_scale, num_seqs,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_bt,
+    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_B: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # Axis 0 enumerates query tiles of all sequences: sequence b owns tiles [start(b), start(b + 1)) with
+    # start(b) = cu[b] // BLOCK_Q + b, which always covers its cdiv(q_len, BLOCK_Q) tiles (surplus tiles exit).
+    # The grid is T // BLOCK_Q + B, an upper bound computed on the host without reading device values.
+    # start() is strictly increasing, so this tile's sequence is (number of starts <= pid) - 1: one vector load
+    # of cu_seqlens and a reduction instead of a chain of dependent loads.
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    offs_b = tl.arange(0, BLOCK_B)
+    starts = tl.load(CU + offs_b, mask=offs_b < num_seqs, other=1 << 30).to(tl.int32) // BLOCK_Q + offs_b
+    b = tl.sum((starts <= pid).to(tl.int32), axis=0) - 1
+    q_start = tl.load(CU + b).to(tl.int32)
+    q_len = tl.load(CU + b + 1).to(tl.int32) - q_start
+    qb = pid - (q_start // BLOCK_Q + b)
+    if qb * BLOCK_Q < q_len:
+        seq_len = tl.load(SEQ_LENS + b).to(tl.int32)
+        ctx = seq_len - q_len                      # cached tokens before this step's queries
+        offs_m = tl.arange(0, BLOCK_M)
+        qi = qb * BLOCK_Q + offs_m // G_PAD        # query index within the sequence
+        g = offs_m % G_PAD
+        row_ok = (qi < q_len) & (g < G)
+        q_abs = ctx + qi                           # absolute position of each row's query
+        head = kvh * G + g
+        tok = (q_start + qi).to(tl.int64)
+        offs_d = tl.arange(0, HEAD_DIM)
+        q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+
+        first = ctx + qb * BLOCK_Q                 # smallest query position of the tile
+        kv_end = tl.maximum(tl.minimum(first + BLOCK_Q, seq_len), 0)   # no key at/after this is visible
+        full_end = tl.maximum(tl.minimum(first + 1, kv_end), 0) // BLOCK_N * BLOCK_N  # visible to every row
+
+        bt_row = BT + b.to(tl.int64) * stride_bt
+        head_off = kvh.to(tl.int64) * stride_kh
+        offs_n = tl.arange(0, BLOCK_N)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+        # tiles strictly below the causal diagonal of every row: no masks at all
+        for n0 in range(0, full_end, BLOCK_N):
+            rows = _kv_rows(bt_row, n0, offs_n, kv_end, stride_kb, stride_ks, BLOCK_SIZE, BLOCK_N, False) + head_off
+            k = tl.load(K + rows[:, None] + offs_d[None, :])
+            v = tl.load(V + rows[:, None] + offs_d[None, :])
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            m_i = m_new
+
+        # tiles crossing the diagonal: causal + length masks
+        for n0 in range(full_end, kv_end, BLOCK_N):
+            n = n0 + offs_n
+            n_ok = n < kv_end
+            rows = _kv_rows(bt_row, n0, offs_n, kv_end, stride_kb, stride_ks, BLOCK_SIZE, BLOCK_N, True) + head_off
+            k = tl.load(K + rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+            v = tl.load(V + rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+            visible = (n[None, :] <= q_abs[:, None]) & n_ok[None, :]
+            qk = tl.where(visible, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows with nothing visible yet
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(qk - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            m_i = m_new
+
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]            # seq_len 0 -> zeros
+        tl.store(Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# decode (one query per sequence), optionally split along the KV length
+# ----------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _decode_kernel(
+    Q, K, V, Out, PART_O, PART_LSE, SEQ_LENS, BT, qk_scale,
+    stride_qb, stride_qh, stride_ob, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_bt,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    H = tl.num_programs(1) * G
+    seq_len = tl.load(SEQ_LENS + b).to(tl.int32)
+    # each sequence's own length is split evenly (in whole tiles) over the NUM_SPLITS programs
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    g_ok = offs_g < G
+    head = kvh * G + offs_g
+    offs_d = tl.arange(0, HEAD_DIM)
+    b64 = b.to(tl.int64)
+    q = tl.load(Q + b64 * stride_qb + head[:, None] * stride_qh + offs_d[None, :], mask=g_ok[:, None], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    bt_row = BT + b64 * stride_bt
+    head_off = kvh.to(tl.int64) * stride_kh
+    offs_n = tl.arange(0, BLOCK_N)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + offs_n
+        n_ok = n < end
+        rows = _kv_rows(bt_row, n0, offs_n, end, stride_kb, stride_ks, BLOCK_SIZE, BLOCK_N, True) + head_off
+        k = tl.load(K + rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        v = tl.load(V + rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        qk = tl.where(n_ok[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))   # finite: every tile has at least one valid key
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+
+    has = l_i > 0.0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(Out + b64 * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=g_ok[:, None])
+    else:
+        # workspace: PART_O (B, H, NUM_SPLITS, D), PART_LSE (B, H, NUM_SPLITS), contiguous float32
+        idx = (b64 * H + head) * NUM_SPLITS + split
+        tl.store(PART_O + idx[:, None] * HEAD_DIM + offs_d[None, :], out, mask=g_ok[:, None])
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(PART_LSE + idx, lse, mask=g_ok)
+
+
+@triton.jit
+def _decode_reduce_kernel(PART_O, PART_LSE, Out, stride_ob, stride_oh,
+                          NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    H = tl.num_programs(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    s_ok = offs_s < NUM_SPLITS
+    offs_d = tl.arange(0, HEAD_DIM)
+    base = (b * H + h) * NUM_SPLITS
+    lse = tl.load(PART_LSE + base + offs_s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)        # seq_len 0: every split empty -> zeros
+    w = tl.exp2(lse - m)
+    denom = tl.sum(w, 0)
+    po = tl.load(PART_O + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    out = tl.sum(po * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# host wrappers
+# ----------------------------------------------------------------------------------------------------------------
+
+def _check_common(fn: str, q, k_cache, v_cache, seq_lens, block_tables, out, out_shape):
+    check_float(f"{fn}: q", q)
+    if q.dim() != 3:
+        raise ValueError(f"{fn}: q must be 3-D, got {tuple(q.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"{fn}: k_cache/v_cache must both be (num_blocks, block_size, num_kv_heads, head_dim), "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"{fn}: cache dtype ({k_cache.dtype}/{v_cache.dtype}) must equal q dtype {q.dtype}")
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError(f"{fn}: k_cache and v_cache must have the same strides, got {tuple(k_cache.stride())} "
+                         f"and {tuple(v_cache.stride())}")
+    _, H, D = q.shape
+    _, block_size, Hkv, Dk = k_cache.shape
+    if Dk != D:
+        raise ValueError(f"{fn}: head_dim of q ({D}) and cache ({Dk}) differ")
+    if not is_pow2(D) or D < 16:
+        raise ValueError(f"{fn}: head_dim must be a power of two >= 16, got {D}")
+    if Hkv == 0 or H % Hkv:
+        raise ValueError(f"{fn}: num_heads ({H}) must be a multiple of num_kv_heads ({Hkv})")
+    if q.stride(2) != 1 or k_cache.stride(3) != 1:
+        raise ValueError(f"{fn}: q and the caches need a contiguous head_dim, got strides {tuple(q.stride())} "
+                         f"and {tuple(k_cache.stride())}")
+    check_int(f"{fn}: seq_lens", seq_lens)
+    check_int(f"{fn}: block_tables", block_tables)
+    B = seq_lens.shape[0]
+    if seq_lens.dim() != 1 or block_tables.dim() != 2 or block_tables.shape[0] != B:
+        raise ValueError(f"{fn}: seq_lens must be (B,) and block_tables (B, max_blocks), got "
+                         f"{tuple(seq_lens.shape)} and {tuple(block_tables.shape)}")
+    if block_tables.shape[1] > 1 and block_tables.stride(1) != 1:
+        raise ValueError(f"{fn}: block_tables rows must be contiguous, got strides {tuple(block_tables.stride())}")
+    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, seq_lens=seq_lens, block_tables=block_tables)
+    if out is None:
+        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+    else:
+        if tuple(out.shape) != tuple(out_shape) or out.dtype != q.dtype or out.device != q.device:
+            raise ValueError(f"{fn}: out must be {tuple(out_shape)} {q.dtype} on {q.device}, got "
+                             f"{tuple(out.shape)} {out.dtype} on {out.device}")
+        if out.stride(2) != 1:
+            raise ValueError(f"{fn}: out needs a contiguous head_dim, got strides {tuple(out.stride())}")
+    seq_lens = seq_lens if seq_lens.is_contiguous() else seq_lens.contiguous()
+    return out, seq_lens, H, Hkv, D, block_size, B
+
+
+def _upcast_dots(dtype) -> bool:
+    # The Triton CPU interpreter multiplies bfloat16 dot operands as their raw uint16 bits; upcast them there.
+    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _dot_precision(dtype):
+    # fp32 inputs: exact fp32 dots (no TF32) so float32 results match the reference tightly
+    return "ieee" if dtype == torch.float32 else None
+
+
+def _prefill_config(D: int, G_PAD: int, max_seqlen_q: int, dtype=torch.bfloat16):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): heuristics for Hopper (wgmma for BLOCK_M >= 64), checked to
+    compile for sm_90 without register spills in half precision, but not tuned on hardware."""
+    if dtype == torch.float32:  # exact fp32 dots (FMA, not tensor cores): keep tiles small; a debug path
+        bm_max, block_n = 64, 32
+    elif D <= 128:
+        bm_max, block_n = 128, 64
+    else:
+        bm_max, block_n = 64, 32
+    block_m = min(bm_max, max(16, next_pow2(max_seqlen_q) * G_PAD))
+    block_m = max(block_m, G_PAD)
+    warps = 8 if (block_m >= 128 or D > 128) and dtype != torch.float32 else 4
+    return block_m, block_n, warps, 2
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                            scale: float, max_seqlen_q: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of a flat batch of queries over the paged cache (same semantics as ``paged_attention_ref``).
+
+    Args:
+        q: (T, H, D); may be a strided view (contiguous head_dim).
+        k_cache, v_cache: (num_blocks, block_size, Hkv, D), same dtype as q; this step's K/V already stored.
+        cu_seqlens_q: (B + 1,) int query offsets; seq_lens: (B,) int; block_tables: (B, max_blocks) int, -1 pad.
+        scale: softmax scale. max_seqlen_q: host int >= every q_len (only sizes the tiles; not read on device).
+        out: optional (T, H, D) output buffer.
+    Rows of ``out`` not covered by ``cu_seqlens_q`` (beyond ``cu_seqlens_q[-1]``) are left untouched.
+    """
+    T = q.shape[0] if q.dim() == 3 else -1
+    out, seq_lens, H, Hkv, D, block_size, B = _check_common(
+        "paged_prefill_attention", q, k_cache, v_cache, seq_lens, block_tables, out, q.shape)
+    check_int("paged_prefill_attention: cu_seqlens_q", cu_seqlens_q)
+    if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] != B + 1:
+        raise ValueError(f"paged_prefill_attention: cu_seqlens_q must be (B + 1 = {B + 1},), got "
+                         f"{tuple(cu_seqlens_q.shape)}")
+    check_same_device(q=q, cu_seqlens_q=cu_seqlens_q)
+    cu_seqlens_q = cu_seqlens_q if cu_seqlens_q.is_contiguous() else cu_seqlens_q.contiguous()
+    if T == 0 or B == 0:
+        return out
+    G = H // Hkv
+    G_PAD = next_pow2(G)
+    BLOCK_M, BLOCK_N, warps, stages = _prefill_config(D, G_PAD, max(int(max_seqlen_q), 1), q.dtype)
+    BLOCK_Q = BLOCK_M // G_PAD
+    grid = (T // BLOCK_Q + B, Hkv)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, float(scale) * _LOG2E, B,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        G=G, G_PAD=G_PAD, BLOCK_Q=BLOCK_Q, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D,
+        BLOCK_SIZE=block_size, BLOCK_B=max(next_pow2(B), 2), PREC=_dot_precision(q.dtype),
+        UPCAST=_upcast_dots(q.dtype), num_warps=warps, num_stages=stages,
+    )
+    return out
+
+
+_MAX_SPLITS = 32
+_MIN_TOKENS_PER_SPLIT = 256
+
+
+def _decode_block_n(D: int, dtype=torch.bfloat16) -> int:
+    return 64 if D <= 128 and dtype != torch.float32 else 32
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
+                      device: torch.device | None = None) -> int:
+    """KV splits for the decode kernel, from static shapes only (safe for CUDA-graph capture).
+
+    Splits only when (batch * num_kv_heads) programs would leave the GPU under-filled and the longest possible
+    context (max_blocks * block_size) gives every split at least ``_MIN_TOKENS_PER_SPLIT`` tokens.
+    """
+    max_ctx = max_blocks * block_size
+    programs = max(batch * num_kv_heads, 1)
+    target = 2 * sm_count(device if device is not None else torch.device("cpu"))
+    if programs >= target:
+        return 1
+    splits = min(triton.cdiv(target, programs), max_ctx // _MIN_TOKENS_PER_SPLIT, _MAX_SPLITS)
+    return max(splits, 1)
+
+
+def decode_workspace_numel(batch: int, num_heads: int, head_dim: int, num_splits: int = _MAX_SPLITS) -> int:
+    """float32 elements of the split-KV workspace for up to ``batch`` sequences and ``num_splits`` splits."""
+    return batch * num_heads * num_splits * (head_dim + 1)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
+                           block_tables: torch.Tensor, scale: float, out: torch.Tensor | None = None, *,
+                           num_splits: int | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per sequence at position seq_len - 1 (``paged_attention_ref`` with cu_seqlens_q = arange(B+1)).
+
+    Args:
+        q: (B, H, D); may be a strided view (contiguous head_dim).
+        k_cache, v_cache: (num_blocks, block_size, Hkv, D) with q's dtype.
+        seq_lens: (B,) int, 0 = padding (outputs zeros); block_tables: (B, max_blocks) int, -1 padded.
+        scale: softmax scale. out: optional (B, H, D) output buffer.
+        num_splits: KV splits (1 = single pass, no workspace); default: ``decode_num_splits`` of the shapes.
+        workspace: optional flat float32 buffer of >= ``decode_workspace_numel(B, H, D, num_splits)`` elements
+            (otherwise one is allocated, sized from shapes only).
+    CUDA-graph safe: no host sync, launch sizes and allocations depend on shapes only.
+    """
+    fn = "paged_decode_attention"
+    out, seq_lens, H, Hkv, D, block_size, B = _check_common(fn, q, k_cache, v_cache, seq_lens, block_tables, out,
+                                                            q.shape)
+    if q.shape[0] != B:
+        raise ValueError(f"{fn}: q has {q.shape[0]} rows but seq_lens has {B} sequences")
+    if B == 0:
+        return out
+    if num_splits is None:
+        num_splits = decode_num_splits(B, Hkv, block_tables.shape[1], block_size, q.device)
+    num_splits = int(num_splits)
+    if num_splits < 1:
+        raise ValueError(f"{fn}: num_splits must be >= 1, got {num_splits}")
+    G = H // Hkv
+    BLOCK_G = max(16, next_pow2(G))  # tl.dot needs M >= 16; padded rows are masked
+    BLOCK_N = _decode_block_n(D, q.dtype)
+    prec = _dot_precision(q.dtype)
+    common = dict(G=G, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, HEAD_DIM=D, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+                  PREC=prec, UPCAST=_upcast_dots(q.dtype), num_warps=4, num_stages=2)
+    strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
+    qk_scale = float(scale) * _LOG2E
+    if num_splits == 1:
+        _decode_kernel[(B, Hkv, 1)](q, k_cache, v_cache, out, out, out, seq_lens, block_tables, qk_scale,
+                                    *strides, **common)
+        return out
+    need = decode_workspace_numel(B, H, D, num_splits)
+    if workspace is None:
+        workspace = torch.empty(need, dtype=torch.float32, device=q.device)
+    elif workspace.dtype != torch.float32 or workspace.numel() < need or not workspace.is_contiguous() \
+            or workspace.device != q.device:
+        raise ValueError(f"{fn}: workspace must be a contiguous float32 tensor on {q.device} with >= {need} "
+                         f"elements, got {workspace.dtype} with {workspace.numel()} on {workspace.device}")
+    workspace = workspace.view(-1)
+    part_o = workspace[: B * H * num_splits * D]
+    part_lse = workspace[B * H * num_splits * D: need]
+    _decode_kernel[(B, Hkv, num_splits)](q, k_cache, v_cache, out, part_o, part_lse, seq_lens, block_tables,
+                                         qk_scale, *strides, **common)
+    _decode_reduce_kernel[(B, H)](part_o, part_lse, out, out.stride(0), out.stride(1),
+                                  NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits), HEAD_DIM=D,
+                                  num_warps=4)
+    return out

@@ -1,0 +1,113 @@
+"""RMSNorm and fused residual-add + RMSNorm.
+
+Rounding follows the torch reference (``nanovllm.layers.layernorm``) op for op: the residual sum is rounded to
+its dtype, the normalization runs in float32, the normalized value is rounded to the input dtype, then scaled by
+the weight and rounded to the output dtype (``promote_types(weight, x)``). So half-precision results match the
+reference to the last bit up to the float32 reduction order.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels._common import check_float, check_last_contiguous, check_same_device, next_pow2
+
+
+@triton.jit
+def _rms_norm_kernel(
+    X, R, W, Y, S, N, eps,
+    stride_x, stride_r, stride_y, stride_s,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(S.dtype.element_ty)
+        tl.store(S + row * stride_s + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / N
+    h = (xf * tl.rsqrt(var + eps)).to(x.dtype).to(tl.float32)
+    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * stride_y + offs, (w * h).to(Y.dtype.element_ty), mask=mask)
+
+
+def _as_rows(name: str, t: torch.Tensor, N: int, output: bool = False) -> torch.Tensor:
+    """t (..., N) as (rows, N) with a contiguous last dim. Inputs may be copied when no such view exists;
+    outputs must be viewable (the kernel writes through the view)."""
+    check_last_contiguous(name, t)
+    if t.dim() == 2:
+        return t
+    if not output:
+        return t.reshape(-1, N)
+    try:
+        return t.view(-1, N)
+    except RuntimeError:
+        raise ValueError(f"{name}: cannot be viewed as (rows, {N}) (strides {tuple(t.stride())})") from None
+
+
+def _num_warps(block: int) -> int:
+    return 4 if block <= 2048 else (8 if block <= 8192 else 16)
+
+
+def _launch(x, residual, weight, eps, out, residual_out):
+    check_float("rms_norm: x", x)
+    check_float("rms_norm: weight", weight)
+    N = x.shape[-1]
+    if weight.dim() != 1 or weight.shape[0] != N:
+        raise ValueError(f"rms_norm: weight must be ({N},), got {tuple(weight.shape)}")
+    if N > 65536:
+        raise ValueError(f"rms_norm: hidden size {N} > 65536 is not supported by the single-pass kernel")
+    check_same_device(x=x, weight=weight)
+    weight = weight.contiguous()
+    x2 = _as_rows("rms_norm: x", x, N)
+    M = x2.shape[0]
+    if residual is not None:
+        if residual.shape != x.shape:
+            raise ValueError(f"add_rms_norm: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+        check_float("add_rms_norm: residual", residual)
+        check_same_device(x=x, residual=residual)
+        r2 = _as_rows("add_rms_norm: residual", residual, N)
+        sum_dtype = torch.promote_types(x.dtype, residual.dtype)
+        if residual_out is None:
+            residual_out = torch.empty(x.shape, dtype=sum_dtype, device=x.device)
+        elif residual_out.shape != x.shape or residual_out.dtype != sum_dtype:
+            raise ValueError(f"add_rms_norm: residual_out must be {tuple(x.shape)} {sum_dtype}")
+        s2 = _as_rows("add_rms_norm: residual_out", residual_out, N, output=True)
+    else:
+        r2 = s2 = x2
+        sum_dtype = x.dtype
+    y_dtype = torch.promote_types(weight.dtype, sum_dtype)
+    if out is None:
+        out = torch.empty(x.shape, dtype=y_dtype, device=x.device)
+    elif out.shape != x.shape or out.dtype != y_dtype:
+        raise ValueError(f"rms_norm: out must be {tuple(x.shape)} {y_dtype}, got {tuple(out.shape)} {out.dtype}")
+    y2 = _as_rows("rms_norm: out", out, N, output=True)
+    if M == 0:
+        return out, residual_out
+    BLOCK = next_pow2(N)
+    _rms_norm_kernel[(M,)](
+        x2, r2, weight, y2, s2, N, float(eps),
+        x2.stride(0), r2.stride(0), y2.stride(0), s2.stride(0),
+        HAS_RES=residual is not None, BLOCK=BLOCK, num_warps=_num_warps(BLOCK),
+    )
+    return out, residual_out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dim of x (..., N) with weight (N,); same result as ``rms_norm_ref``."""
+    return _launch(x, None, weight, eps, out, None)[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused ``s = x + residual; return rms_norm(s), s`` (one read of x and residual, one write of each output).
+
+    ``out`` / ``residual_out`` may be preallocated (``residual_out`` may alias ``residual`` or ``x`` for an
+    in-place update: each element is read before it is written by the same program).
+    """
+    return _launch(x, residual, weight, eps, out, residual_out)

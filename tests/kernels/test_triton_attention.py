@@ -1,0 +1,182 @@
+"""Triton paged attention (prefill/mixed and decode) against paged_attention_ref."""
+import pytest
+import torch
+
+from nanovllm.attention.torch_ref import paged_attention_ref
+from nanovllm.kernels.attention import (decode_num_splits, decode_workspace_numel, paged_decode_attention,
+                                        paged_prefill_attention)
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5),
+       torch.float16: dict(atol=5e-3, rtol=5e-3),
+       # the CPU interpreter truncates fp32 -> bf16 instead of rounding; allow ~2 bf16 ulps
+       torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+
+
+def make_batch(specs, H, Hkv, D, block_size, dtype, device, seed=0, extra_cols=2, strided=False):
+    """specs: list of (seq_len, q_len). Returns kernel inputs plus NaN-free copies of the caches for the ref.
+
+    Blocks are handed out in random order; every cache slot that no sequence owns (the tail of each last block
+    and unused blocks) holds NaN, so a kernel that reads past seq_len produces NaN.
+    """
+    g = torch.Generator().manual_seed(seed)
+    nblk = [-(-s // block_size) for s, _ in specs]
+    num_blocks = sum(nblk) + 3
+    perm = torch.randperm(num_blocks, generator=g)
+    max_blocks = max(nblk + [1]) + extra_cols
+    bt = torch.full((len(specs), max_blocks + 3), -1, dtype=torch.int32)
+    k_cache = torch.full((num_blocks, block_size, Hkv, D), float("nan"))
+    v_cache = torch.full_like(k_cache, float("nan"))
+    i = 0
+    for b, (s, _) in enumerate(specs):
+        bt[b, :nblk[b]] = perm[i:i + nblk[b]]
+        i += nblk[b]
+        for j in range(nblk[b]):
+            n = min(block_size, s - j * block_size)
+            k_cache[bt[b, j], :n] = torch.randn(n, Hkv, D, generator=g)
+            v_cache[bt[b, j], :n] = torch.randn(n, Hkv, D, generator=g)
+    bt = bt[:, :max_blocks] if strided else bt[:, :max_blocks].contiguous()
+    q_lens = torch.tensor([ql for _, ql in specs])
+    cu = torch.zeros(len(specs) + 1, dtype=torch.int32)
+    cu[1:] = q_lens.cumsum(0)
+    T = int(cu[-1])
+    if strided:  # q as the leading slice of a fused qkv projection
+        q = torch.randn(T, H + 2 * Hkv, D, generator=g)[:, :H]
+    else:
+        q = torch.randn(T, H, D, generator=g)
+    seq_lens = torch.tensor([s for s, _ in specs], dtype=torch.int32)
+    to = lambda t: t.to(device)  # noqa: E731
+    q, k_cache, v_cache = (to(t.to(dtype)) for t in (q, k_cache, v_cache))
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=to(cu), seq_lens=to(seq_lens),
+                block_tables=to(bt), max_seqlen_q=int(q_lens.max()) if len(specs) else 0)
+
+
+def reference(batch, scale):
+    return paged_attention_ref(batch["q"], batch["k_cache"].nan_to_num(0.0), batch["v_cache"].nan_to_num(0.0),
+                               batch["cu_seqlens_q"], batch["seq_lens"], batch["block_tables"], scale,
+                               batch["max_seqlen_q"])
+
+
+def run_prefill(batch, scale):
+    out = torch.full_like(batch["q"], float("nan"))
+    res = paged_prefill_attention(batch["q"], batch["k_cache"], batch["v_cache"], batch["cu_seqlens_q"],
+                                  batch["seq_lens"], batch["block_tables"], scale, batch["max_seqlen_q"], out=out)
+    assert res is out
+    return out
+
+
+# (seq_len, q_len): long prefill, decode, chunked prefill over a cached prefix, padding, exact block multiple,
+# short tail chunk of a long context, a chunk starting just below a KV-tile boundary
+MIXED = [(37, 37), (50, 1), (70, 20), (0, 1), (32, 32), (130, 3), (72, 10)]
+
+
+@pytest.mark.parametrize("block_size,H,Hkv,D,dtype", [
+    (16, 2, 2, 64, torch.float32),    # MHA, per-key block lookup (block_size < BLOCK_N)
+    (32, 4, 2, 32, torch.float32),    # GQA 2
+    (64, 8, 2, 16, torch.float32),    # GQA 4, one block per KV tile
+    (48, 6, 2, 32, torch.float32),    # GQA 3 (padded heads), block_size not a power of two
+    (16, 8, 2, 128, torch.float16),
+    (32, 4, 1, 64, torch.bfloat16),   # MQA-style GQA 4
+])
+def test_prefill_mixed_batch(device, block_size, H, Hkv, D, dtype):
+    batch = make_batch(MIXED, H, Hkv, D, block_size, dtype, device, seed=block_size + D)
+    scale = D ** -0.5
+    out = run_prefill(batch, scale)
+    ref = reference(batch, scale)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+    pad = batch["cu_seqlens_q"][3]
+    assert (out[pad] == 0).all()  # seq_len 0 -> zeros
+
+
+def test_prefill_strided_inputs_and_long_sequence(device):
+    # q is a view of a fused qkv tensor, block_tables is a column slice; one sequence spans several KV tiles
+    # with a multi-tile query block, the other is a single long-context decode.
+    specs = [(200, 150), (300, 1)]
+    batch = make_batch(specs, 4, 2, 32, 16, torch.float32, device, seed=7, strided=True)
+    assert not batch["q"].is_contiguous() and not batch["block_tables"].is_contiguous()
+    out = run_prefill(batch, 0.2)
+    torch.testing.assert_close(out, reference(batch, 0.2), **TOL[torch.float32])
+
+
+def test_prefill_decode_only_batch_matches_decode_kernel(device):
+    specs = [(1, 1), (17, 1), (0, 1), (96, 1)]
+    batch = make_batch(specs, 4, 2, 32, 16, torch.float32, device, seed=3)
+    ref = reference(batch, 0.3)
+    torch.testing.assert_close(run_prefill(batch, 0.3), ref, **TOL[torch.float32])
+    dec = paged_decode_attention(batch["q"], batch["k_cache"], batch["v_cache"], batch["seq_lens"],
+                                 batch["block_tables"], 0.3)
+    torch.testing.assert_close(dec, ref, **TOL[torch.float32])
+
+
+def test_prefill_defaults_allocate_output(device):
+    batch = make_batch([(20, 5)], 2, 1, 16, 16, torch.float32, device, seed=11)
+    out = paged_prefill_attention(batch["q"], batch["k_cache"], batch["v_cache"], batch["cu_seqlens_q"],
+                                  batch["seq_lens"], batch["block_tables"], 0.25, batch["max_seqlen_q"])
+    torch.testing.assert_close(out, reference(batch, 0.25), **TOL[torch.float32])
+
+
+DECODE = [(1, 1), (37, 1), (0, 1), (300, 1), (64, 1)]
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("block_size,H,Hkv,D,dtype", [
+    (16, 2, 2, 64, torch.float32),
+    (32, 4, 2, 32, torch.float32),
+    (64, 8, 2, 16, torch.float32),
+    (256, 4, 1, 32, torch.float32),
+    (16, 8, 2, 128, torch.float16),
+    (32, 4, 1, 64, torch.bfloat16),
+])
+def test_decode(device, block_size, H, Hkv, D, dtype, num_splits):
+    batch = make_batch(DECODE, H, Hkv, D, block_size, dtype, device, seed=block_size * 3 + D)
+    scale = D ** -0.5
+    q = batch["q"]
+    out = torch.full_like(q, float("nan"))
+    res = paged_decode_attention(q, batch["k_cache"], batch["v_cache"], batch["seq_lens"], batch["block_tables"],
+                                 scale, out=out, num_splits=num_splits)
+    assert res is out
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, reference(batch, scale), **TOL[dtype])
+    assert (out[2] == 0).all()
+
+
+def test_decode_many_splits_and_workspace(device):
+    # more splits than some sequences have tiles (empty splits), a caller-provided (oversized) workspace
+    batch = make_batch(DECODE, 4, 2, 32, 16, torch.float32, device, seed=5, strided=True)
+    B, H, D = batch["q"].shape
+    ws = torch.full((decode_workspace_numel(B + 2, H, D, 8),), float("nan"), device=device)
+    out = paged_decode_attention(batch["q"], batch["k_cache"], batch["v_cache"], batch["seq_lens"],
+                                 batch["block_tables"], 0.2, num_splits=8, workspace=ws)
+    torch.testing.assert_close(out, reference(batch, 0.2), **TOL[torch.float32])
+    with pytest.raises(ValueError, match="workspace"):
+        paged_decode_attention(batch["q"], batch["k_cache"], batch["v_cache"], batch["seq_lens"],
+                               batch["block_tables"], 0.2, num_splits=8, workspace=ws[:10])
+
+
+def test_decode_auto_split_path(device):
+    # small batch, long static context -> the heuristic splits; result must not depend on it
+    batch = make_batch([(200, 1), (0, 1)], 2, 1, 16, 16, torch.float32, device, seed=9, extra_cols=40)
+    assert decode_num_splits(2, 1, batch["block_tables"].shape[1], 16, batch["q"].device) > 1
+    out = paged_decode_attention(batch["q"], batch["k_cache"], batch["v_cache"], batch["seq_lens"],
+                                 batch["block_tables"], 0.5)
+    torch.testing.assert_close(out, reference(batch, 0.5), **TOL[torch.float32])
+
+
+def test_decode_num_splits_heuristic():
+    cpu = torch.device("cpu")
+    assert decode_num_splits(256, 8, 512, 16, cpu) == 1          # big batch fills the GPU
+    assert decode_num_splits(1, 8, 2048, 16, cpu) > 1            # one long sequence: split
+    assert decode_num_splits(1, 8, 4, 16, cpu) == 1              # short context: never split
+    assert decode_num_splits(1, 1, 100000, 16, cpu) <= 32
+
+
+def test_argument_checks(device):
+    batch = make_batch([(20, 5)], 4, 2, 32, 16, torch.float32, device)
+    args = (batch["cu_seqlens_q"], batch["seq_lens"], batch["block_tables"], 0.1, 5)
+    with pytest.raises(ValueError, match="multiple"):
+        paged_prefill_attention(batch["q"][:, :3], batch["k_cache"], batch["v_cache"], *args)
+    with pytest.raises(ValueError, match="dtype"):
+        paged_prefill_attention(batch["q"].half(), batch["k_cache"], batch["v_cache"], *args)
+    with pytest.raises(ValueError, match="contiguous"):
+        paged_prefill_attention(batch["q"].transpose(1, 2).contiguous().transpose(1, 2), batch["k_cache"],
+                                batch["v_cache"], *args)
