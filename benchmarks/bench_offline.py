@@ -21,6 +21,7 @@ import torch  # noqa: E402
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.cli import add_engine_args, engine_kwargs  # noqa: E402
+from nanovllm.engine import llm_engine as le  # noqa: E402
 from workload import offline_workload  # noqa: E402
 
 
@@ -48,15 +49,16 @@ def main(argv=None) -> dict:
 
     # count what each step must read: weights once, plus the KV of every scheduled sequence
     steps = {"n": 0, "kv_tokens": 0}
-    real_execute = runner.execute
+    real_build = le.build_step_batch
 
-    def counting_execute(batch):
+    def counting_build(out, block_size):
+        batch = real_build(out, block_size)
         steps["n"] += 1
         steps["kv_tokens"] += sum(batch.seq_lens)
-        return real_execute(batch)
+        return batch
 
     llm.generate([[1, 2, 3, 4]] * 4, SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
-    runner.execute = counting_execute
+    le.build_step_batch = counting_build
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -65,7 +67,7 @@ def main(argv=None) -> dict:
     if cuda:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t
-    runner.execute = real_execute
+    le.build_step_batch = real_build
 
     n_out = sum(len(o["token_ids"]) for o in outs)
     if n_out != sum(max_tokens):
@@ -85,6 +87,7 @@ def main(argv=None) -> dict:
         "peak_gpu_mem_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         "startup_s": round(startup, 2), "cuda_graph_capture_s": round(getattr(runner, "capture_seconds", 0.0), 2),
         "kv_blocks": eng.block_manager.num_blocks, "preemptions": eng.scheduler.num_preemptions,
+        "async_scheduling": eng.async_scheduling,
     }
     print(f"{res['model']}: {n_out} tokens in {elapsed:.2f}s = {res['output_tok_s']:.0f} output tok/s | "
           f"{res['achieved_GB_s']} GB/s over {steps['n']} steps | peak {res['peak_gpu_mem_GiB']} GiB | "

@@ -37,6 +37,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     seed: int = 0
     attention_backend: str = "auto"
+    async_scheduling: bool | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineArgs":
@@ -84,6 +85,8 @@ class EngineArgs:
         int_arg("seed", 0)
         need("attention_backend", self.attention_backend in ("auto", "torch", "triton"),
              "'auto', 'torch' or 'triton'")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise TypeError(f"async_scheduling must be a bool or None, got {self.async_scheduling!r}")
 
 
 @dataclass(frozen=True)
@@ -178,6 +181,7 @@ class EngineConfig:
     max_num_seqs: int
     block_size: int
     attention_backend: str
+    async_scheduling: bool
 
     @classmethod
     def resolve(cls, args: EngineArgs) -> "EngineConfig":
@@ -226,6 +230,11 @@ class EngineConfig:
         if args.tensor_parallel_size != 1:
             from nanovllm.distributed import check_tp_supported
             check_tp_supported(args.tensor_parallel_size, mcfg, device)
+        # schedule step N+1 while step N runs: pays off when the device runs asynchronously to the host
+        async_sched = args.async_scheduling
+        if async_sched is None:
+            async_sched = device.type == "cuda" and args.tensor_parallel_size == 1
         return cls(args=args, model=mcfg, model_dir=model_dir, device=device, dtype=dtype,
                    max_model_len=max_model_len, max_num_batched_tokens=max_batched,
-                   max_num_seqs=max_num_seqs, block_size=args.kvcache_block_size, attention_backend=backend)
+                   max_num_seqs=max_num_seqs, block_size=args.kvcache_block_size, attention_backend=backend,
+                   async_scheduling=async_sched)

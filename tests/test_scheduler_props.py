@@ -15,14 +15,17 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
 
 
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(block_size=st.sampled_from([16, 32]), num_blocks=st.integers(8, 40),
-                budget=st.integers(16, 200), max_seqs=st.integers(1, 8), caching=st.booleans())
-    def setup(self, block_size, num_blocks, budget, max_seqs, caching):
+                budget=st.integers(16, 200), max_seqs=st.integers(1, 8), caching=st.booleans(),
+                async_mode=st.booleans())
+    def setup(self, block_size, num_blocks, budget, max_seqs, caching, async_mode):
+        self.async_mode = async_mode  # resolve each step's tokens one step late, as async scheduling does
+        self.inflight = None
         self.bm = BlockManager(num_blocks, block_size, caching)
         self.sched = Scheduler(self.bm, max_seqs, budget)
         self.max_len = num_blocks * block_size  # one sequence alone always fits
@@ -40,6 +43,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def add(self, prefix, shared, extra, max_tokens):
         prompt = self.prefixes[prefix][:shared] + [self.rng.randrange(4) for _ in range(extra)]
         prompt = prompt[: self.max_len - 1]
+        max_tokens = min(max_tokens, self.max_len - len(prompt))  # the engine caps it the same way
         seq = Sequence(self.next_id, str(self.next_id), prompt, SamplingParams(max_tokens=max_tokens),
                        max_tokens, frozenset(), 0, False)
         self.seqs[self.next_id] = seq
@@ -55,10 +59,25 @@ class SchedulerMachine(RuleBasedStateMachine):
         for s, n in zip(out.seqs, out.num_new_tokens):
             assert n >= 1 and s.num_computed_tokens + n <= s.num_tokens
             assert len(s.block_table) * self.bm.block_size >= s.num_computed_tokens + n
-        if self.sched.has_unfinished() and not out.preempted:
+        if self.sched.has_unfinished() and not out.preempted and self.inflight is None:
             assert out, "no progress although requests are pending"
-        for seq in self.sched.on_step_done(out):
-            seq.append_token(self.rng.randrange(4))
+        if self.inflight is not None:
+            self._resolve(self.inflight)
+            self.inflight = None
+        if out:
+            pending = self.sched.on_step_done(out)
+            assert all(s.token_ids[-1] == PLACEHOLDER for s, _ in pending)
+            if self.async_mode:
+                self.inflight = pending
+            else:
+                self._resolve(pending)
+
+    def _resolve(self, pending):
+        for seq, _ in pending:
+            if seq.is_finished:
+                continue
+            assert seq.token_ids[-1] == PLACEHOLDER
+            seq.token_ids[-1] = self.rng.randrange(4)
             if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_len:
                 self.sched.finish(seq, "length")
 
@@ -96,7 +115,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         # drain: everything left must finish and free every block
         for _ in range(10_000):
-            if not self.sched.has_unfinished():
+            if not self.sched.has_unfinished() and self.inflight is None:
                 break
             self.step()
         assert not self.sched.has_unfinished()

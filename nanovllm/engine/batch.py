@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from nanovllm.engine.scheduler import SchedulerOutput
+from nanovllm.engine.sequence import PLACEHOLDER
 
 
 @dataclass
@@ -36,6 +37,10 @@ class StepBatch:
     is_decode: bool
     sample_rows: list[int]        # sequences (indices into B) whose last token is sampled
     sampling: SamplingBatch
+    # async scheduling: input_ids[placeholder_pos[i]] is row placeholder_rows[i] of the previous step's
+    # sampled ids, still on the device
+    placeholder_pos: list[int] = field(default_factory=list)
+    placeholder_rows: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -55,8 +60,13 @@ def build_step_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
     tables: list[list[int]] = []
     sample_rows: list[int] = []
     sb = SamplingBatch()
+    ph_pos: list[int] = []
+    ph_rows: list[int] = []
     for b, (seq, n) in enumerate(zip(out.seqs, out.num_new_tokens)):
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        if seq.token_ids[end - 1] == PLACEHOLDER:  # only ever the last token, sampled by the step in flight
+            ph_pos.append(len(input_ids) + n - 1)
+            ph_rows.append(seq.pending_row)
         input_ids.extend(seq.token_ids[start:end])
         positions.extend(range(start, end))
         table = seq.block_table
@@ -87,4 +97,5 @@ def build_step_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
                 sb.banned.extend((row, t) for t in seq.stop_ids)
     return StepBatch(input_ids=input_ids, positions=positions, slot_mapping=slots, cu_seqlens_q=cu,
                      seq_lens=seq_lens, block_tables=tables, max_seqlen_q=max(out.num_new_tokens, default=0),
-                     is_decode=out.is_decode, sample_rows=sample_rows, sampling=sb)
+                     is_decode=out.is_decode, sample_rows=sample_rows, sampling=sb,
+                     placeholder_pos=ph_pos, placeholder_rows=ph_rows)

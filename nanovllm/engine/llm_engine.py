@@ -1,6 +1,6 @@
 """The engine: requests in, one scheduled step at a time, outputs back.
 
-    add_request -> Scheduler.schedule -> build_step_batch -> ModelRunner.execute -> _process -> outputs
+    add_request -> Scheduler.schedule -> build_step_batch -> ModelRunner.launch -> _resolve -> outputs
 
 Everything a user can get wrong is checked in `validate_request`, before any state changes.
 """
@@ -100,6 +100,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens)
         self.requests: dict[str, Sequence] = {}
+        # async scheduling: the launched step whose tokens are not read yet, with its (seq, row) pairs
+        self._inflight: tuple | None = None
+        self.async_scheduling = self.config.async_scheduling and hasattr(self.runner, "launch")
         self._seq_ids = itertools.count()
         self._noise_rng = random.Random(args.seed)
         # counters (for tqdm and /metrics)
@@ -184,7 +187,7 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     @property
     def num_running(self) -> int:
@@ -196,32 +199,50 @@ class LLMEngine:
 
     # --- one step ----------------------------------------------------------------------------------
     def step(self) -> tuple[list[RequestOutput], int, int]:
-        """Schedule, run and process one step.
+        """Schedule and launch one step, and process the tokens of the step before it (async scheduling)
+        or of this one (otherwise).
 
-        Returns (outputs, prompt tokens computed, tokens sampled). Outputs hold every finished request
-        and every streamed request that made progress."""
+        Returns (outputs, prompt tokens launched, tokens sampled by the processed step). Outputs hold every
+        request that finished and every streamed request that made progress."""
         sched = self.scheduler.schedule()
-        if not sched:
-            if self.scheduler.has_unfinished():
-                raise RuntimeError("scheduler made no progress with requests pending (KV cache too small?)")
-            return [], 0, 0
-        batch = build_step_batch(sched, self.config.block_size)
-        num_decode = sum(1 for s, n in zip(sched.seqs, sched.num_new_tokens)
-                         if n == 1 and s.num_output_tokens > 0 and s.num_computed_tokens == s.num_tokens - 1)
-        num_prefill = sched.num_tokens - num_decode
-        result = self.runner.execute(batch)
-        sampled = self.scheduler.on_step_done(sched)
-        outputs = self._process(sampled, result)
+        launched = None
+        num_prefill = 0
+        if sched:
+            batch = build_step_batch(sched, self.config.block_size)
+            num_decode = sum(1 for s, n in zip(sched.seqs, sched.num_new_tokens)
+                             if n == 1 and s.num_output_tokens > 0 and s.num_computed_tokens == s.num_tokens - 1)
+            num_prefill = sched.num_tokens - num_decode
+            prev = self._inflight[0] if self._inflight is not None else None
+            handle = self.runner.launch(batch, prev) if self.async_scheduling else self.runner.execute(batch)
+            launched = (handle, sched)
+        outputs, num_sampled = [], 0
+        if self._inflight is not None:  # the previous step's tokens (its successor is already queued)
+            outputs, num_sampled = self._resolve(*self._inflight)
+            self._inflight = None
+        if launched is not None:
+            handle, sched = launched
+            pending = self.scheduler.on_step_done(sched)
+            if self.async_scheduling:
+                self._inflight = (handle, pending)
+            else:
+                outputs, num_sampled = self._resolve(handle, pending)
+        elif self.scheduler.has_unfinished() and not outputs and not num_sampled:
+            raise RuntimeError("scheduler made no progress with requests pending (KV cache too small?)")
         self.num_prompt_tokens += num_prefill
-        self.num_generation_tokens += len(sampled)
-        return outputs, num_prefill, len(sampled)
+        self.num_generation_tokens += num_sampled
+        return outputs, num_prefill, num_sampled
 
-    def _process(self, sampled: list[Sequence], result) -> list[RequestOutput]:
+    def _resolve(self, handle, pending: list[tuple[Sequence, int]]) -> tuple[list[RequestOutput], int]:
+        """Put a step's sampled tokens in place of its placeholders, then check each sequence for a stop."""
+        result = handle.result() if hasattr(handle, "result") else handle
         now = time.monotonic()
         outputs = []
-        for row, seq in enumerate(sampled):
+        for seq, row in pending:
+            if seq.is_finished:  # aborted while its step was in flight
+                continue
             tok = result.token_ids[row]
-            seq.append_token(tok)
+            seq.token_ids[seq.num_prompt_tokens + seq.num_output_tokens - 1] = tok
+            seq.pending_row = None
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if seq.logprobs is not None:
@@ -235,7 +256,7 @@ class LLMEngine:
                 self.requests.pop(seq.request_id, None)
             if seq.is_finished or seq.stream:
                 outputs.append(self._make_output(seq, now))
-        return outputs
+        return outputs, len(pending)
 
     def _check_stop(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from nanovllm.config import EngineConfig
 from nanovllm.distributed.group import TPGroup
 from nanovllm.engine.batch import SamplingBatch, StepBatch
 from nanovllm.layers.attention import Attention
-from nanovllm.layers.sampler import Sampler, SamplingTensors
+from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from nanovllm.models.loader import init_dummy, load_safetensors
 from nanovllm.models.registry import build_model
 
@@ -217,16 +218,15 @@ class ModelRunner:
             self.graphs[bs] = graph
             torch.cuda.synchronize()
 
-    def _replay(self, batch: StepBatch) -> torch.Tensor:
-        n = batch.num_seqs
+    def _replay(self, n: int, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Run a decode batch of n sequences through the smallest captured graph that holds it."""
         bs = self.graph_sizes[bisect.bisect_left(self.graph_sizes, n)]
-        width = max(len(t) for t in batch.block_tables)
-        tables = [t + [0] * (width - len(t)) for t in batch.block_tables]
-        self.g_input_ids[:n].copy_(self._to_device(batch.input_ids, torch.int64), non_blocking=True)
-        self.g_positions[:n].copy_(self._to_device(batch.positions, torch.int64), non_blocking=True)
-        self.g_slots[:n].copy_(self._to_device(batch.slot_mapping, torch.int64), non_blocking=True)
-        self.g_seq_lens[:n].copy_(self._to_device(batch.seq_lens, torch.int32), non_blocking=True)
-        self.g_tables[:n, :width].copy_(self._to_device(tables, torch.int32), non_blocking=True)
+        width = meta.block_tables.shape[1]
+        self.g_input_ids[:n].copy_(ids)
+        self.g_positions[:n].copy_(pos)
+        self.g_slots[:n].copy_(meta.slot_mapping)
+        self.g_seq_lens[:n].copy_(meta.seq_lens)
+        self.g_tables[:n, :width].copy_(meta.block_tables)
         if bs > n:
             self.g_slots[n:bs].fill_(-1)
             self.g_seq_lens[n:bs].zero_()
@@ -234,60 +234,115 @@ class ModelRunner:
         return self.g_hidden[:n]
 
     # --- one step ----------------------------------------------------------------------------------
-    def _to_device(self, data, dtype) -> torch.Tensor:
-        t = torch.tensor(data, dtype=dtype)
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
+    def _h2d(self, parts: list[list], dtype: torch.dtype) -> list[torch.Tensor]:
+        """Several host lists -> device tensors with one pinned buffer and one copy."""
+        flat = list(itertools.chain.from_iterable(parts))
+        cuda = self.device.type == "cuda"
+        t = torch.tensor(flat, dtype=dtype, pin_memory=cuda)
+        if cuda:
+            t = t.to(self.device, non_blocking=True)
+        return list(torch.split(t, [len(p) for p in parts]))
 
-    def _prepare(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _prepare(self, batch: StepBatch, prev: "PendingStep | None"):
+        """The step's inputs as device tensors: (input_ids, positions, metadata, sample index, sampling)."""
+        B = batch.num_seqs
         width = max(len(t) for t in batch.block_tables)
-        tables = [t + [-1] * (width - len(t)) for t in batch.block_tables]
-        meta = AttentionMetadata(
-            slot_mapping=self._to_device(batch.slot_mapping, torch.int64),
-            cu_seqlens_q=self._to_device(batch.cu_seqlens_q, torch.int32),
-            seq_lens=self._to_device(batch.seq_lens, torch.int32),
-            block_tables=self._to_device(tables, torch.int32),
-            max_seqlen_q=batch.max_seqlen_q, is_decode=batch.is_decode)
-        return (self._to_device(batch.input_ids, torch.int64), self._to_device(batch.positions, torch.int64), meta)
-
-    def _sampling_tensors(self, sb: SamplingBatch) -> SamplingTensors:
+        tables = list(itertools.chain.from_iterable(t + [0] * (width - len(t)) for t in batch.block_tables))
+        sb = batch.sampling
+        last = [batch.cu_seqlens_q[b + 1] - 1 for b in batch.sample_rows]
+        ids, pos, slots, last_t, seeds, steps, top_ks, ph_pos, ph_rows = self._h2d(
+            [batch.input_ids, batch.positions, batch.slot_mapping, last, sb.seeds, sb.steps, sb.top_ks,
+             batch.placeholder_pos, batch.placeholder_rows], torch.int64)
+        cu, seq_lens, tables_t = self._h2d([batch.cu_seqlens_q, batch.seq_lens, tables], torch.int32)
+        temps, top_ps, min_ps = self._h2d([sb.temperatures, sb.top_ps, sb.min_ps], torch.float32)
+        if batch.placeholder_pos:
+            if prev is None or prev.sampled is None:
+                raise RuntimeError("step needs the previous step's sampled ids, which are gone")
+            ids[ph_pos] = prev.sampled[ph_rows]
+        meta = AttentionMetadata(slot_mapping=slots, cu_seqlens_q=cu, seq_lens=seq_lens,
+                                 block_tables=tables_t.view(B, width), max_seqlen_q=batch.max_seqlen_q,
+                                 is_decode=batch.is_decode)
         greedy = [t == 0.0 for t in sb.temperatures]
         seeded_rows = [i for i, s in enumerate(sb.seeded) if s and not greedy[i]]
         asked = [k for k in sb.logprobs if k is not None]
-        return SamplingTensors(
-            temperatures=self._to_device(sb.temperatures, torch.float32),
-            top_ks=self._to_device(sb.top_ks, torch.int64),
-            top_ps=self._to_device(sb.top_ps, torch.float32),
-            min_ps=self._to_device(sb.min_ps, torch.float32),
-            seeds=self._to_device(sb.seeds, torch.int64),
-            steps=self._to_device(sb.steps, torch.int64),
-            seeded_rows=self._to_device(seeded_rows, torch.int64) if seeded_rows else None,
-            banned_rows=self._to_device([r for r, _ in sb.banned], torch.int64) if sb.banned else None,
-            banned_tokens=self._to_device([t for _, t in sb.banned], torch.int64) if sb.banned else None,
+        extra = self._h2d([seeded_rows, [r for r, _ in sb.banned], [t for _, t in sb.banned]], torch.int64) \
+            if (seeded_rows or sb.banned) else [None, None, None]
+        sampling = SamplingTensors(
+            temperatures=temps, top_ks=top_ks, top_ps=top_ps, min_ps=min_ps, seeds=seeds, steps=steps,
+            seeded_rows=extra[0] if seeded_rows else None,
+            banned_rows=extra[1] if sb.banned else None, banned_tokens=extra[2] if sb.banned else None,
             all_greedy=all(greedy), any_greedy=any(greedy),
             need_top_k=any(k > 0 for k in sb.top_ks), need_top_p=any(p < 1.0 for p in sb.top_ps),
-            need_min_p=any(p > 0.0 for p in sb.min_ps),
-            max_logprobs=max(asked) if asked else None)
+            need_min_p=any(p > 0.0 for p in sb.min_ps), max_logprobs=max(asked) if asked else None)
+        return ids, pos, meta, last_t, sampling
+
+    def _sampling_tensors(self, sb: SamplingBatch) -> SamplingTensors:
+        """Sampling tensors alone (the warm-up pass)."""
+        batch = StepBatch(input_ids=[], positions=[], slot_mapping=[], cu_seqlens_q=[0], seq_lens=[],
+                          block_tables=[[0]], max_seqlen_q=0, is_decode=False, sample_rows=[], sampling=sb)
+        return self._prepare(batch, None)[4]
 
     @torch.inference_mode()
-    def execute(self, batch: StepBatch) -> StepResult | None:
-        """Run one step. Returns the sampled tokens (on the rank that samples), else None."""
+    def launch(self, batch: StepBatch, prev: "PendingStep | None" = None) -> "PendingStep":
+        """Enqueue one step on the device and return at once; `.result()` waits for the sampled ids.
+
+        `prev` is the step still in flight whose sampled ids fill this batch's placeholder inputs."""
+        ids, pos, meta, last, sampling = self._prepare(batch, prev)
         if batch.is_decode and self.graphs and batch.num_seqs <= self.graph_sizes[-1]:
-            hidden = self._replay(batch)                                      # (B, hidden)
+            hidden = self._replay(batch.num_seqs, ids, pos, meta)             # (B, hidden)
         else:
-            input_ids, positions, meta = self._prepare(batch)
-            hidden = self.model(input_ids, positions, meta)                   # (T, hidden)
+            hidden = self.model(ids, pos, meta)                               # (T, hidden)
         if not batch.sample_rows:
-            return StepResult(token_ids=[]) if self.tp.rank == 0 else None
-        last = self._to_device([batch.cu_seqlens_q[b + 1] - 1 for b in batch.sample_rows], torch.int64)
+            return PendingStep(sampled=None, rank=self.tp.rank)
         logits = self.model.compute_logits(hidden[last])                      # (S, vocab) float32
         if self.tp.rank != 0:
+            return PendingStep(sampled=None, rank=self.tp.rank)
+        out = self.sampler(logits, sampling)
+        return PendingStep.start_copy(out, self.device)
+
+    def execute(self, batch: StepBatch) -> StepResult | None:
+        """Run one step and wait for it. Returns the sampled tokens (on the rank that samples), else None."""
+        return self.launch(batch).result()
+
+
+class PendingStep:
+    """A launched step: its sampled ids on the device (for the next step's inputs) and a copy to the host."""
+
+    def __init__(self, sampled: torch.Tensor | None, rank: int = 0, host: dict | None = None, event=None):
+        self.sampled = sampled
+        self.rank = rank
+        self.host = host or {}
+        self.event = event
+
+    @classmethod
+    def start_copy(cls, out: SamplerOutput, device: torch.device) -> "PendingStep":
+        cuda = device.type == "cuda"
+        host = {}
+        for name in ("token_ids", "logprobs", "top_ids", "top_logprobs"):
+            t = getattr(out, name)
+            if t is not None:
+                if cuda:
+                    h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                    h.copy_(t, non_blocking=True)
+                    t = h
+                host[name] = t
+        event = None
+        if cuda:
+            event = torch.cuda.Event()
+            event.record()
+        return cls(out.token_ids, 0, host, event)
+
+    def result(self) -> StepResult | None:
+        if self.rank != 0:
             return None
-        out = self.sampler(logits, self._sampling_tensors(batch.sampling))
-        res = StepResult(token_ids=out.token_ids.tolist())
-        if out.logprobs is not None:
-            res.logprobs = out.logprobs.tolist()
-            if out.top_ids is not None:
-                res.top_ids, res.top_logprobs = out.top_ids.tolist(), out.top_logprobs.tolist()
+        if self.sampled is None:
+            return StepResult(token_ids=[])
+        if self.event is not None:
+            self.event.synchronize()
+        h = self.host
+        res = StepResult(token_ids=h["token_ids"].tolist())
+        if "logprobs" in h:
+            res.logprobs = h["logprobs"].tolist()
+            if "top_ids" in h:
+                res.top_ids, res.top_logprobs = h["top_ids"].tolist(), h["top_logprobs"].tolist()
         return res

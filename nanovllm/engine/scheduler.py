@@ -12,6 +12,10 @@ and `num_tokens` (known tokens); each step hands out up to `max_num_batched_toke
 
 Chunked prefill, prefix-cache hits, decode and mixed prefill+decode batches all come out of these two
 loops. A sequence whose chunk reaches its last known token gets a new token sampled this step.
+
+With async scheduling the step after this one is scheduled before this one's tokens are read back: each
+sampling sequence gets a PLACEHOLDER token (its value stays on the device and feeds the next step's input
+directly); a sequence whose placeholder is its last allowed token is not scheduled again.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 
 @dataclass
@@ -81,6 +85,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.awaiting_last_token:
+                i += 1
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             target = seq.num_computed_tokens + n
             while not self.bm.can_grow(seq, target):
@@ -123,12 +130,20 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def on_step_done(self, out: SchedulerOutput) -> list[Sequence]:
-        """Advance computed counts after the model ran; returns the sequences that sampled a token."""
+    def on_step_done(self, out: SchedulerOutput) -> list[tuple[Sequence, int]]:
+        """Advance computed counts once a step is launched and give every sampling sequence a PLACEHOLDER
+        token. Returns (sequence, row of the step's sampled ids) pairs; sequences finished meanwhile
+        (aborted, or stopped by the previous step's tokens) are skipped."""
         sampled = []
+        row = 0
         for seq, n in zip(out.seqs, out.num_new_tokens):
-            seq.num_computed_tokens += n
-            self.bm.register_full_blocks(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
-                sampled.append(seq)
+            samples = seq.num_computed_tokens + n == seq.num_tokens
+            if seq.status == SequenceStatus.RUNNING:
+                seq.num_computed_tokens += n
+                self.bm.register_full_blocks(seq)
+                if samples:
+                    seq.append_token(PLACEHOLDER)
+                    seq.pending_row = row
+                    sampled.append((seq, row))
+            row += samples
         return sampled

@@ -6,6 +6,9 @@ import enum
 from nanovllm.sampling_params import SamplingParams
 
 
+PLACEHOLDER = -1  # an output token sampled on the device but not yet read back (async scheduling)
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -48,6 +51,7 @@ class Sequence:
         self.num_emitted = 0                  # output tokens reported so far
         self.arrival_time = 0.0
         self.first_token_time: float | None = None
+        self.pending_row: int | None = None   # row of the in-flight step's sampled ids holding PLACEHOLDER's value
 
     # --- token bookkeeping -------------------------------------------------------------------------
     @property
@@ -69,6 +73,11 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
+
+    @property
+    def awaiting_last_token(self) -> bool:
+        """Its final token is in flight: nothing more to compute, it only waits to be finished."""
+        return self.num_output_tokens >= self.max_tokens
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
