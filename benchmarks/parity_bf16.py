@@ -28,7 +28,7 @@ def main():
     runs = {}
     for name, kw in {"torch-eager": dict(attention_backend="torch", enforce_eager=True),
                      "triton-graphs": dict()}.items():
-        llm = LLM(path, dtype="bfloat16", kvcache_block_size=16, **kw)
+        llm = LLM(path, dtype="bfloat16", kvcache_block_size=16, max_num_seqs=64, **kw)
         runs[name] = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
         del llm
     a, b = runs["torch-eager"], runs["triton-graphs"]

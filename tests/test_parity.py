@@ -187,3 +187,22 @@ def test_async_scheduling(kwargs, tiny_ckpt, hf_greedy):
     assert [(o["token_ids"], o["text"], o["finish_reason"]) for o in a] == \
         [(o["token_ids"], o["text"], o["finish_reason"]) for o in b]
     assert {o["finish_reason"] for o in a} == {"stop", "length"}
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"max_num_batched_tokens": 48, "kvcache_block_size": 32, "async_scheduling": True},
+    {"kvcache_block_size": 16, "num_kvcache_blocks": 9, "max_model_len": 120},
+])
+def test_triton_backend_under_interpreter(kwargs, tiny_ckpt, hf_greedy):
+    """The Triton attention kernels (KV store, varlen prefill, decode) in the engine: float32 on the CPU
+    interpreter, with chunked prefill, prefix hits and preemption. (The fused norm/RoPE/SiLU kernels,
+    which the engine uses on CUDA only, are tested against their references in tests/kernels.)"""
+    pytest.importorskip("triton")
+    path = tiny_ckpt("qwen3")
+    llm = LLM(path, device="cpu", dtype="float32", attention_backend="triton", **kwargs)
+    prompts = make_prompts([1, 15, 31, 47, 63, 100], seed=2)  # lengths just short of block boundaries
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    _check(llm, path, prompts, hf_greedy, params)
+    _check(llm, path, prompts[:3], hf_greedy, params)  # prefix hits
+    if "num_kvcache_blocks" in kwargs:
+        assert llm.engine.scheduler.num_preemptions > 0

@@ -48,7 +48,7 @@ class ModelRunner:
         self.backend = get_attention_backend(config.attention_backend)
         self.sampler = Sampler(self.device, config.args.seed)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        if config.attention_backend == "triton":
+        if config.attention_backend == "triton" and self.device.type == "cuda":
             self._install_fused_ops()
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The whole GPU check-and-bench in one device call:  bash benchmarks/gpu_check.sh [steps...]
+# steps: env kernels kernel_tests parity bench06 profile06 bench8 (default: all but kernel_tests)
+# Logs go to $OUT (or ./gpu_out); each step has its own time limit and a failure doesn't stop the rest.
+set -u
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+steps=${*:-"env kernels parity bench06 profile06 bench8"}
+run() {  # name, limit_s, command...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name ($(date +%T))"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n "${TAIL:-25}" "$OUT/$name.log"
+  echo "=== $name rc=$rc"
+}
+for s in $steps; do
+  case $s in
+    env) run env 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv; python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"' ;;
+    kernels) run kernels 240 python3 benchmarks/kernel_check.py ;;
+    kernel_tests) run kernel_tests 400 python3 -m pytest tests/kernels -q -x ;;
+    parity) run parity 240 python3 benchmarks/parity_bf16.py ;;
+    bench06) run bench06 300 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-0.6b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-}" ;;
+    bench06sync) run bench06sync 300 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-0.6b --load-format dummy --no-async-scheduling --json "$OUT/bench.jsonl" --label "${LABEL:-} sync" ;;
+    profile06) TAIL=60 run profile06 240 python3 benchmarks/profile_step.py --model benchmarks/models/qwen3-0.6b --load-format dummy ;;
+    bench8) run bench8 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-}" ;;
+    *) echo "unknown step $s" ;;
+  esac
+done
