@@ -33,6 +33,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-output-len", type=int, default=1024)
     ap.add_argument("--json", default=None, help="append the result as a JSON line to this file")
     ap.add_argument("--label", default="")
+    ap.add_argument("--step-log", default=None, help="write per-step timings (JSON) here and print a summary")
     add_engine_args(ap)
     ns = ap.parse_args(argv)
     kwargs = {"max_model_len": 4096, **engine_kwargs(ns)}
@@ -49,16 +50,27 @@ def main(argv=None) -> dict:
 
     # count what each step must read: weights once, plus the KV of every scheduled sequence
     steps = {"n": 0, "kv_tokens": 0}
+    step_rows = []  # (wall ms of engine.step, seqs, tokens, kv tokens, is_decode) of the step it launched
     real_build = le.build_step_batch
+    real_step = eng.step
 
     def counting_build(out, block_size):
         batch = real_build(out, block_size)
         steps["n"] += 1
         steps["kv_tokens"] += sum(batch.seq_lens)
+        step_rows.append([0.0, batch.num_seqs, batch.num_tokens, sum(batch.seq_lens), batch.is_decode])
         return batch
+
+    def timed_step():
+        t = time.perf_counter()
+        r = real_step()
+        if step_rows:
+            step_rows[-1][0] = (time.perf_counter() - t) * 1e3
+        return r
 
     llm.generate([[1, 2, 3, 4]] * 4, SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     le.build_step_batch = counting_build
+    eng.step = timed_step
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -68,6 +80,18 @@ def main(argv=None) -> dict:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t
     le.build_step_batch = real_build
+    eng.step = real_step
+    if ns.step_log:
+        kv_tok = runner.kv_bytes_per_block() / eng.config.block_size
+        with open(ns.step_log, "w") as f:
+            json.dump(step_rows, f)
+        print(f"{'steps':>11s} {'ms/step':>8s} {'seqs':>6s} {'tokens':>7s} {'kv tok':>8s} {'KV GB/s':>8s}")
+        for i in range(0, len(step_rows), 100):
+            chunk = step_rows[i:i + 100]
+            ms = sum(r[0] for r in chunk) / len(chunk)
+            kv = sum(r[3] for r in chunk) / len(chunk)
+            print(f"{i:5d}-{i + len(chunk) - 1:5d} {ms:8.2f} {sum(r[1] for r in chunk) / len(chunk):6.0f} "
+                  f"{sum(r[2] for r in chunk) / len(chunk):7.0f} {kv:8.0f} {kv * kv_tok / ms / 1e6:8.0f}")
 
     n_out = sum(len(o["token_ids"]) for o in outs)
     if n_out != sum(max_tokens):

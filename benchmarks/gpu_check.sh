@@ -21,10 +21,11 @@ for s in $steps; do
     kernels) run kernels 240 python3 benchmarks/kernel_check.py ;;
     kernel_tests) run kernel_tests 400 python3 -m pytest tests/kernels -q -x ;;
     parity) run parity 240 python3 benchmarks/parity_bf16.py ;;
-    bench06) run bench06 300 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-0.6b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-}" ;;
+    bench06) TAIL=40 run bench06 300 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-0.6b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-}" --step-log "$OUT/steps06.json" ;;
     bench06sync) run bench06sync 300 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-0.6b --load-format dummy --no-async-scheduling --json "$OUT/bench.jsonl" --label "${LABEL:-} sync" ;;
     profile06) TAIL=60 run profile06 240 python3 benchmarks/profile_step.py --model benchmarks/models/qwen3-0.6b --load-format dummy ;;
-    bench8) run bench8 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-}" ;;
+    bench8) TAIL=40 run bench8 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-}" --step-log "$OUT/steps8.json" ;;
+    bench8tp2) TAIL=40 run bench8tp2 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --tensor-parallel-size 2 --json "$OUT/bench.jsonl" --label "${LABEL:-} tp2" --step-log "$OUT/steps8tp2.json" ;;
     *) echo "unknown step $s" ;;
   esac
 done

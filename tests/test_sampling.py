@@ -14,14 +14,14 @@ def llm(tiny_ckpt):
     return LLM(tiny_ckpt("qwen3"), device="cpu", kvcache_block_size=16)
 
 
-def _tensors(B, temps, top_k=0, top_p=1.0, min_p=0.0, seeds=None, steps=None, seeded=False):
+def _tensors(B, temps, top_k=0, top_p=1.0, min_p=0.0, seeds=None, steps=None):
     t = torch.tensor(temps, dtype=torch.float32).expand(B).clone()
-    seeds = torch.tensor(seeds if seeds is not None else [0] * B, dtype=torch.int64)
+    seeds = torch.tensor(seeds if seeds is not None else range(B), dtype=torch.int64)
     return SamplingTensors(
         temperatures=t, top_ks=torch.full((B,), top_k), top_ps=torch.full((B,), top_p),
         min_ps=torch.full((B,), min_p), seeds=seeds,
         steps=torch.tensor(steps if steps is not None else [0] * B, dtype=torch.int64),
-        seeded_rows=torch.arange(B) if seeded else None, banned_rows=None, banned_tokens=None,
+        banned_rows=None, banned_tokens=None,
         all_greedy=bool((t == 0).all()), any_greedy=bool((t == 0).any()), need_top_k=top_k > 0,
         need_top_p=top_p < 1.0, need_min_p=min_p > 0.0, max_logprobs=None)
 
@@ -31,27 +31,23 @@ def _freqs(ids, V):
 
 
 def test_sampler_matches_distribution():
+    """Across seeds (rows) and across output positions (steps), tokens follow softmax(logits / T)."""
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
     B, V = 40000, 5
     for temp in (1.0, 0.5):
-        ids = Sampler(torch.device("cpu"), 0)(logits.expand(B, V).clone(), _tensors(B, [temp])).token_ids
         want = torch.softmax(logits / temp, -1)
+        ids = Sampler()(logits.expand(B, V).clone(), _tensors(B, [temp])).token_ids
         assert torch.allclose(_freqs(ids, V), want, atol=0.01), (temp, _freqs(ids, V), want)
-
-
-def test_seeded_noise_matches_distribution():
-    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
-    B, V = 40000, 5
-    t = _tensors(B, [1.0], seeds=list(range(B)), seeded=True)
-    ids = Sampler(torch.device("cpu"), 0)(logits.expand(B, V).clone(), t).token_ids
-    assert torch.allclose(_freqs(ids, V), torch.softmax(logits, -1), atol=0.01)
+        one_seed = _tensors(B, [temp], seeds=[7] * B, steps=list(range(B)))
+        ids = Sampler()(logits.expand(B, V).clone(), one_seed).token_ids
+        assert torch.allclose(_freqs(ids, V), want, atol=0.01), (temp, _freqs(ids, V), want)
 
 
 def test_top_k_top_p_min_p_masks():
     logits = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0])
     probs = torch.softmax(logits, -1)  # ~ [.64, .23, .09, .03, .01]
     B, V = 20000, 5
-    s = Sampler(torch.device("cpu"), 1)
+    s = Sampler()
     ids = s(logits.expand(B, V).clone(), _tensors(B, [1.0], top_k=2)).token_ids
     f = _freqs(ids, V)
     assert f[2:].sum() == 0 and torch.allclose(f[:2], probs[:2] / probs[:2].sum(), atol=0.015)

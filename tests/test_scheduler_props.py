@@ -45,7 +45,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         prompt = prompt[: self.max_len - 1]
         max_tokens = min(max_tokens, self.max_len - len(prompt))  # the engine caps it the same way
         seq = Sequence(self.next_id, str(self.next_id), prompt, SamplingParams(max_tokens=max_tokens),
-                       max_tokens, frozenset(), 0, False)
+                       max_tokens, frozenset(), 0)
         self.seqs[self.next_id] = seq
         self.next_id += 1
         self.sched.add(seq)

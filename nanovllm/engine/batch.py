@@ -20,7 +20,6 @@ class SamplingBatch:
     min_ps: list[float] = field(default_factory=list)
     seeds: list[int] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)        # output position being sampled
-    seeded: list[bool] = field(default_factory=list)
     banned: list[tuple[int, int]] = field(default_factory=list)  # (row, token id) held back (min_tokens)
     logprobs: list[int | None] = field(default_factory=list)
 
@@ -91,7 +90,6 @@ def build_step_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
             sb.min_ps.append(float(p.min_p))
             sb.seeds.append(seq.noise_seed)
             sb.steps.append(step)
-            sb.seeded.append(seq.seeded)
             sb.logprobs.append(p.logprobs)
             if step < p.min_tokens:
                 sb.banned.extend((row, t) for t in seq.stop_ids)

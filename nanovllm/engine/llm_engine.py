@@ -167,9 +167,9 @@ class LLMEngine:
         stop_ids = set(p.stop_token_ids or ())
         if not p.ignore_eos:
             stop_ids |= self.eos_token_ids
-        seeded = p.seed is not None
+        seed = p.seed if p.seed is not None else self._noise_rng.getrandbits(63)
         seq = Sequence(next(self._seq_ids), request_id, req.prompt_token_ids, p, req.max_tokens,
-                       frozenset(stop_ids), p.seed if seeded else self._noise_rng.getrandbits(63), seeded)
+                       frozenset(stop_ids), seed)
         seq.stream = stream
         if (stream or p.stop_strings) and self.tokenizer is not None:
             seq.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens)

@@ -46,7 +46,7 @@ class ModelRunner:
         self.model = self._load_model()
         self.load_seconds = time.perf_counter() - t0
         self.backend = get_attention_backend(config.attention_backend)
-        self.sampler = Sampler(self.device, config.args.seed)
+        self.sampler = Sampler()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         if config.attention_backend == "triton" and self.device.type == "cuda":
             self._install_fused_ops()
@@ -74,7 +74,7 @@ class ModelRunner:
             init_dummy(model, cfg.args.seed + self.tp.rank)
         else:
             load_safetensors(model, cfg.model_dir)
-        return model.eval()
+        return model.eval().requires_grad_(False)
 
     def _install_fused_ops(self) -> None:
         """Swap the torch reference ops for their Triton kernels (norms, RoPE, SiLU-and-mul)."""
@@ -143,6 +143,7 @@ class ModelRunner:
         budget = total * cfg.args.gpu_memory_utilization - (total - free) - overhead
         return max(0, int(budget) // per_block)
 
+    @torch.inference_mode()
     def _warmup_forward(self, lens: list[int]) -> int:
         """One forward (and logits for every sequence) over a throwaway KV cache just big enough.
 
@@ -151,6 +152,7 @@ class ModelRunner:
         blocks = [-(-n // bs) for n in lens]
         a = self.attn_layers[0]
         cache = torch.zeros(2, sum(blocks), bs, a.num_kv_heads, a.head_dim, dtype=self.dtype, device=self.device)
+        saved = [(layer.k_cache, layer.v_cache) for layer in self.attn_layers]
         for layer in self.attn_layers:
             layer.k_cache, layer.v_cache, layer.backend = cache[0], cache[1], self.backend
         tables, slots, first = [], [], 0
@@ -178,10 +180,10 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(cu[1:], device=dev) - 1])
         self.sampler(logits, self._sampling_tensors(SamplingBatch(
             temperatures=[1.0] * len(lens), top_ks=[0] * len(lens), top_ps=[1.0] * len(lens),
-            min_ps=[0.0] * len(lens), seeds=[0] * len(lens), steps=[0] * len(lens),
-            seeded=[False] * len(lens), logprobs=[None] * len(lens))))
-        for layer in self.attn_layers:
-            layer.k_cache = layer.v_cache = torch.empty(0)
+            min_ps=[0.0] * len(lens), seeds=list(range(len(lens))), steps=[0] * len(lens),
+            logprobs=[None] * len(lens))))
+        for layer, (k, v) in zip(self.attn_layers, saved):
+            layer.k_cache, layer.v_cache = k, v
         if dev.type != "cuda":
             return 0
         torch.cuda.synchronize()
@@ -246,7 +248,7 @@ class ModelRunner:
     def _prepare(self, batch: StepBatch, prev: "PendingStep | None"):
         """The step's inputs as device tensors: (input_ids, positions, metadata, sample index, sampling)."""
         B = batch.num_seqs
-        width = max(len(t) for t in batch.block_tables)
+        width = max((len(t) for t in batch.block_tables), default=1)
         tables = list(itertools.chain.from_iterable(t + [0] * (width - len(t)) for t in batch.block_tables))
         sb = batch.sampling
         last = [batch.cu_seqlens_q[b + 1] - 1 for b in batch.sample_rows]
@@ -263,14 +265,12 @@ class ModelRunner:
                                  block_tables=tables_t.view(B, width), max_seqlen_q=batch.max_seqlen_q,
                                  is_decode=batch.is_decode)
         greedy = [t == 0.0 for t in sb.temperatures]
-        seeded_rows = [i for i, s in enumerate(sb.seeded) if s and not greedy[i]]
         asked = [k for k in sb.logprobs if k is not None]
-        extra = self._h2d([seeded_rows, [r for r, _ in sb.banned], [t for _, t in sb.banned]], torch.int64) \
-            if (seeded_rows or sb.banned) else [None, None, None]
+        banned = self._h2d([[r for r, _ in sb.banned], [t for _, t in sb.banned]], torch.int64) \
+            if sb.banned else [None, None]
         sampling = SamplingTensors(
             temperatures=temps, top_ks=top_ks, top_ps=top_ps, min_ps=min_ps, seeds=seeds, steps=steps,
-            seeded_rows=extra[0] if seeded_rows else None,
-            banned_rows=extra[1] if sb.banned else None, banned_tokens=extra[2] if sb.banned else None,
+            banned_rows=banned[0], banned_tokens=banned[1],
             all_greedy=all(greedy), any_greedy=any(greedy),
             need_top_k=any(k > 0 for k in sb.top_ks), need_top_p=any(p < 1.0 for p in sb.top_ps),
             need_min_p=any(p > 0.0 for p in sb.min_ps), max_logprobs=max(asked) if asked else None)
@@ -279,7 +279,7 @@ class ModelRunner:
     def _sampling_tensors(self, sb: SamplingBatch) -> SamplingTensors:
         """Sampling tensors alone (the warm-up pass)."""
         batch = StepBatch(input_ids=[], positions=[], slot_mapping=[], cu_seqlens_q=[0], seq_lens=[],
-                          block_tables=[[0]], max_seqlen_q=0, is_decode=False, sample_rows=[], sampling=sb)
+                          block_tables=[], max_seqlen_q=0, is_decode=False, sample_rows=[], sampling=sb)
         return self._prepare(batch, None)[4]
 
     @torch.inference_mode()

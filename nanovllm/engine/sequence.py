@@ -24,7 +24,7 @@ class Sequence:
     """
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 max_tokens: int, stop_ids: frozenset[int], noise_seed: int, seeded: bool):
+                 max_tokens: int, stop_ids: frozenset[int], noise_seed: int):
         self.seq_id = seq_id
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -32,8 +32,7 @@ class Sequence:
         self.params = params
         self.max_tokens = max_tokens          # resolved: never past max_model_len
         self.stop_ids = stop_ids              # EOS (unless ignore_eos) and stop_token_ids
-        self.noise_seed = noise_seed          # seed of this request's sampling noise
-        self.seeded = seeded                  # noise from the user's seed (batch-independent)
+        self.noise_seed = noise_seed          # seed of this request's sampling noise (its own or drawn)
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table: list[int] = []

@@ -1,10 +1,12 @@
 """Batched sampling on the device with per-request parameters.
 
-Sampling is the exponential-race form of the Gumbel-max trick: token = argmax(p_i / E_i) with E_i ~ Exp(1)
-independent per token, which draws exactly from p and needs no cumulative sum or host round trip.
+Sampling is the Gumbel-max trick: token = argmax(logit_i / T + G_i) with G_i = -log(-log(U_i)) Gumbel noise,
+which draws exactly from softmax(logits / T) and needs no softmax, cumulative sum or host round trip.
 
-Requests with a seed get their noise from a counter-based hash of (seed, output position, token id), so
-their tokens depend on nothing else in the batch; other requests share one torch generator.
+U_i comes from a counter-based hash of (request seed, output position, token id): a request's tokens are a
+pure function of its seed and its logits, whatever else is in the batch. Requests without a seed get one
+from the engine's RNG. `sample_ref` is the reference; on CUDA a fused Triton kernel computes the same
+thing in one pass over the logits when no top-k / top-p / min-p filter is asked for.
 """
 from __future__ import annotations
 
@@ -50,7 +52,6 @@ class SamplingTensors:
     min_ps: torch.Tensor         # (B,) float32
     seeds: torch.Tensor          # (B,) int64 noise seeds
     steps: torch.Tensor          # (B,) int64 output position being sampled
-    seeded_rows: torch.Tensor | None   # rows whose noise comes from hash_uniform
     banned_rows: torch.Tensor | None   # (n,) with banned_tokens: logits forced to -inf (min_tokens)
     banned_tokens: torch.Tensor | None
     all_greedy: bool
@@ -69,11 +70,27 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None = None     # (B, k)
 
 
+def sample_ref(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
+               top_ks: torch.Tensor | None = None, top_ps: torch.Tensor | None = None,
+               min_ps: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, V) float32 logits -> (B,) sampled ids. Rows with temperature 0 take the argmax."""
+    B, V = logits.shape
+    greedy = temperatures <= 0
+    x = logits / torch.where(greedy, torch.ones_like(temperatures), temperatures)[:, None]
+    if top_ks is not None or top_ps is not None:
+        x = _apply_top_k_top_p(x, top_ks, top_ps)
+    if min_ps is not None:  # p_i < min_p * p_max  <=>  x_i < x_max + log(min_p)
+        floor = x.amax(dim=-1, keepdim=True) + torch.log(min_ps.clamp_min(1e-30))[:, None]
+        x = x.masked_fill((x < floor) & (min_ps[:, None] > 0), float("-inf"))
+    gumbel = -torch.log(-torch.log(hash_uniform(seeds, steps, V)))
+    ids = (x + gumbel).argmax(dim=-1)
+    return torch.where(greedy, logits.argmax(dim=-1), ids)
+
+
 class Sampler(nn.Module):
-    def __init__(self, device: torch.device, seed: int):
+    def __init__(self, fused_sample=None):
         super().__init__()
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed)
+        self.fused_sample = fused_sample  # Triton kernel (CUDA): same as sample_ref without filters
 
     @torch.no_grad()
     def forward(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
@@ -83,35 +100,20 @@ class Sampler(nn.Module):
         out = SamplerOutput(token_ids=torch.empty(0))
         if t.max_logprobs is not None:
             logp = torch.log_softmax(logits, dim=-1)
-        greedy_ids = logits.argmax(dim=-1) if t.any_greedy else None
+        filters = t.need_top_k or t.need_top_p or t.need_min_p
         if t.all_greedy:
-            out.token_ids = greedy_ids
+            out.token_ids = logits.argmax(dim=-1)
+        elif self.fused_sample is not None and not filters:
+            out.token_ids = self.fused_sample(logits, t.temperatures, t.seeds, t.steps)
         else:
-            out.token_ids = self._sample(logits, t, greedy_ids)
+            out.token_ids = sample_ref(logits, t.temperatures, t.seeds, t.steps,
+                                       t.top_ks if t.need_top_k else None, t.top_ps if t.need_top_p else None,
+                                       t.min_ps if t.need_min_p else None)
         if t.max_logprobs is not None:
             out.logprobs = logp.gather(1, out.token_ids[:, None]).squeeze(1)
             if t.max_logprobs > 0:
                 out.top_logprobs, out.top_ids = logp.topk(t.max_logprobs, dim=-1)
         return out
-
-    def _sample(self, logits: torch.Tensor, t: SamplingTensors, greedy_ids: torch.Tensor | None) -> torch.Tensor:
-        B, V = logits.shape
-        temps = torch.where(t.temperatures > 0, t.temperatures, torch.ones_like(t.temperatures))
-        x = logits / temps[:, None]
-        if t.need_top_k or t.need_top_p:
-            x = _apply_top_k_top_p(x, t.top_ks if t.need_top_k else None, t.top_ps if t.need_top_p else None)
-        probs = torch.softmax(x, dim=-1)                                       # (B, V)
-        if t.need_min_p:
-            floor = t.min_ps[:, None] * probs.amax(dim=-1, keepdim=True)
-            probs = probs.masked_fill(probs < floor, 0.0)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)  # (B, V) ~ Exp(1)
-        if t.seeded_rows is not None:
-            rows = t.seeded_rows
-            noise[rows] = -torch.log(hash_uniform(t.seeds[rows], t.steps[rows], V))
-        ids = (probs / noise).argmax(dim=-1)
-        if greedy_ids is not None:
-            ids = torch.where(t.temperatures > 0, ids, greedy_ids)
-        return ids
 
 
 def _apply_top_k_top_p(x: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None) -> torch.Tensor:
