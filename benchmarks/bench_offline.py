@@ -25,6 +25,13 @@ from nanovllm.engine import llm_engine as le  # noqa: E402
 from workload import offline_workload  # noqa: E402
 
 
+def model_bytes(m, itemsize: int) -> int:
+    """Bytes of weights a forward pass reads (embedding rows are gathered, so only the LM head counts)."""
+    d, q, kv = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    per_layer = d * (q + 2 * kv) + q * d + 3 * d * m.intermediate_size + 2 * d + 2 * m.head_dim
+    return itemsize * (m.num_layers * per_layer + m.vocab_size * d + d)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="checkpoint dir, or a dir with only config.json (--load-format dummy)")
@@ -47,6 +54,9 @@ def main(argv=None) -> dict:
     startup = time.perf_counter() - t0
     eng = llm.engine
     runner = eng.runner
+    mcfg = eng.config.model
+    itemsize = torch.empty(0, dtype=eng.config.dtype).element_size()
+    kv_per_token = 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * itemsize
 
     # count what each step must read: weights once, plus the KV of every scheduled sequence
     steps = {"n": 0, "kv_tokens": 0}
@@ -82,7 +92,7 @@ def main(argv=None) -> dict:
     le.build_step_batch = real_build
     eng.step = real_step
     if ns.step_log:
-        kv_tok = runner.kv_bytes_per_block() / eng.config.block_size
+        kv_tok = kv_per_token
         with open(ns.step_log, "w") as f:
             json.dump(step_rows, f)
         print(f"{'steps':>11s} {'ms/step':>8s} {'seqs':>6s} {'tokens':>7s} {'kv tok':>8s} {'KV GB/s':>8s}")
@@ -96,9 +106,7 @@ def main(argv=None) -> dict:
     n_out = sum(len(o["token_ids"]) for o in outs)
     if n_out != sum(max_tokens):
         raise SystemExit(f"expected {sum(max_tokens)} output tokens, got {n_out}")
-    mcfg = eng.config.model
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    kv_per_token = runner.kv_bytes_per_block() // eng.config.block_size
+    weight_bytes = model_bytes(mcfg, itemsize)
     moved = steps["n"] * weight_bytes + steps["kv_tokens"] * kv_per_token
     res = {
         "label": ns.label, "model": os.path.basename(os.path.normpath(ns.model)), "arch": mcfg.architecture,

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import bisect
-import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -13,6 +12,7 @@ from nanovllm.attention.backend import AttentionMetadata, get_attention_backend
 from nanovllm.config import EngineConfig
 from nanovllm.distributed.group import TPGroup
 from nanovllm.engine.batch import SamplingBatch, StepBatch
+from nanovllm.engine.step_inputs import Layout, Staging
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from nanovllm.models.loader import init_dummy, load_safetensors
@@ -50,6 +50,9 @@ class ModelRunner:
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         if config.attention_backend == "triton" and self.device.type == "cuda":
             self._install_fused_ops()
+        self.staging = Staging(self.device)
+        # the latest step's sampled ids, read on the device by the next step's placeholder inputs
+        self.sampled_buf = torch.zeros(max(config.max_num_seqs, 1), dtype=torch.int64, device=self.device)
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_sizes: list[int] = []
@@ -102,6 +105,7 @@ class ModelRunner:
             num_blocks = cfg.args.num_kvcache_blocks
         elif self.device.type == "cuda":
             num_blocks = self._profile_num_blocks(per_block)
+            self._warmup_forward([1, 2, 3])  # compile the short-chunk prefill variant now, not mid-run
         else:
             want = -(-cfg.max_model_len // self.block_size) * cfg.max_num_seqs
             num_blocks = max(1, min(want, CPU_KV_CACHE_BYTES // per_block))
@@ -192,112 +196,84 @@ class ModelRunner:
     # --- CUDA graphs (decode) -----------------------------------------------------------------------
     @torch.inference_mode()
     def _capture_cudagraphs(self) -> None:
-        """One graph per decode batch size, over static input buffers.
+        """One graph per decode batch size: forward and logits, reading the step's packed inputs in place.
 
         A batch of n sequences replays the smallest graph of size >= n; the padded rows have slot -1 and
-        seq_len 0, which every attention backend treats as "skip"."""
+        sequence length 0, which every attention backend treats as "skip"."""
         cfg = self.config
         max_bs = min(cfg.max_num_seqs, 512)
         self.graph_sizes = sorted({b for b in (1, 2, 4, 8, *range(16, max_bs + 1, 16)) if b <= max_bs} | {max_bs})
-        max_blocks = -(-cfg.max_model_len // self.block_size)
-        dev = self.device
-        self.g_input_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
-        self.g_positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)
-        self.g_slots = torch.full((max_bs,), -1, dtype=torch.int64, device=dev)
-        self.g_seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=dev)
-        self.g_tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=dev)
-        self.g_cu = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
-        self.g_hidden = torch.zeros(max_bs, cfg.model.hidden_size, dtype=self.dtype, device=dev)
+        self.graph_width = -(-cfg.max_model_len // self.block_size)
+        self.graph_layouts = {bs: Layout.make(bs, bs, self.graph_width, bs) for bs in self.graph_sizes}
+        self.g_stage = torch.zeros(self.graph_layouts[max_bs].nbytes, dtype=torch.uint8, device=self.device)
+        self.g_cu = torch.arange(max_bs + 1, dtype=torch.int32, device=self.device)
+        self.g_logits: dict[int, torch.Tensor] = {}
         pool = None
         for bs in reversed(self.graph_sizes):
-            meta = AttentionMetadata(self.g_slots[:bs], self.g_cu[:bs + 1], self.g_seq_lens[:bs],
-                                     self.g_tables[:bs], max_seqlen_q=1, is_decode=True)
-            self.g_hidden[:bs] = self.model(self.g_input_ids[:bs], self.g_positions[:bs], meta)  # warm up
+            v = self.graph_layouts[bs].views(self.g_stage)
+            self._graph_forward(bs, v)  # warm up
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
-                self.g_hidden[:bs] = self.model(self.g_input_ids[:bs], self.g_positions[:bs], meta)
+                self.g_logits[bs] = self._graph_forward(bs, v)
             pool = graph.pool()
             self.graphs[bs] = graph
             torch.cuda.synchronize()
 
-    def _replay(self, n: int, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Run a decode batch of n sequences through the smallest captured graph that holds it."""
-        bs = self.graph_sizes[bisect.bisect_left(self.graph_sizes, n)]
-        width = meta.block_tables.shape[1]
-        self.g_input_ids[:n].copy_(ids)
-        self.g_positions[:n].copy_(pos)
-        self.g_slots[:n].copy_(meta.slot_mapping)
-        self.g_seq_lens[:n].copy_(meta.seq_lens)
-        self.g_tables[:n, :width].copy_(meta.block_tables)
-        if bs > n:
-            self.g_slots[n:bs].fill_(-1)
-            self.g_seq_lens[n:bs].zero_()
-        self.graphs[bs].replay()
-        return self.g_hidden[:n]
+    def _graph_forward(self, bs: int, v: dict) -> torch.Tensor:
+        meta = AttentionMetadata(v["slots"], self.g_cu[:bs + 1], v["seq_lens"], v["tables"].view(bs, self.graph_width),
+                                 max_seqlen_q=1, is_decode=True)
+        ids = torch.where(v["src"] >= 0, self.sampled_buf[v["src"].clamp(min=0)], v["ids"])
+        return self.model.compute_logits(self.model(ids, v["pos"], meta))      # (bs, vocab) float32
 
     # --- one step ----------------------------------------------------------------------------------
-    def _h2d(self, parts: list[list], dtype: torch.dtype) -> list[torch.Tensor]:
-        """Several host lists -> device tensors with one pinned buffer and one copy."""
-        flat = list(itertools.chain.from_iterable(parts))
-        cuda = self.device.type == "cuda"
-        t = torch.tensor(flat, dtype=dtype, pin_memory=cuda)
-        if cuda:
-            t = t.to(self.device, non_blocking=True)
-        return list(torch.split(t, [len(p) for p in parts]))
+    def _sampling_tensors(self, sb: SamplingBatch) -> SamplingTensors:
+        """Sampling tensors alone (the warm-up pass)."""
+        S = len(sb.temperatures)
+        batch = StepBatch(input_ids=[], positions=[], slot_mapping=[], cu_seqlens_q=[0], seq_lens=[],
+                          block_tables=[], max_seqlen_q=0, is_decode=False, sample_rows=[], sampling=sb)
+        v = self.staging.upload(batch, Layout.make(0, 0, 1, S, len(sb.banned)))
+        return self._sampling_from(v, sb)
 
-    def _prepare(self, batch: StepBatch, prev: "PendingStep | None"):
-        """The step's inputs as device tensors: (input_ids, positions, metadata, sample index, sampling)."""
-        B = batch.num_seqs
-        width = max((len(t) for t in batch.block_tables), default=1)
-        tables = list(itertools.chain.from_iterable(t + [0] * (width - len(t)) for t in batch.block_tables))
-        sb = batch.sampling
-        last = [batch.cu_seqlens_q[b + 1] - 1 for b in batch.sample_rows]
-        ids, pos, slots, last_t, seeds, steps, top_ks, ph_pos, ph_rows = self._h2d(
-            [batch.input_ids, batch.positions, batch.slot_mapping, last, sb.seeds, sb.steps, sb.top_ks,
-             batch.placeholder_pos, batch.placeholder_rows], torch.int64)
-        cu, seq_lens, tables_t = self._h2d([batch.cu_seqlens_q, batch.seq_lens, tables], torch.int32)
-        temps, top_ps, min_ps = self._h2d([sb.temperatures, sb.top_ps, sb.min_ps], torch.float32)
-        if batch.placeholder_pos:
-            if prev is None or prev.sampled is None:
-                raise RuntimeError("step needs the previous step's sampled ids, which are gone")
-            ids[ph_pos] = prev.sampled[ph_rows]
-        meta = AttentionMetadata(slot_mapping=slots, cu_seqlens_q=cu, seq_lens=seq_lens,
-                                 block_tables=tables_t.view(B, width), max_seqlen_q=batch.max_seqlen_q,
-                                 is_decode=batch.is_decode)
+    def _sampling_from(self, v: dict, sb: SamplingBatch) -> SamplingTensors:
+        S = len(sb.temperatures)
         greedy = [t == 0.0 for t in sb.temperatures]
         asked = [k for k in sb.logprobs if k is not None]
-        banned = self._h2d([[r for r, _ in sb.banned], [t for _, t in sb.banned]], torch.int64) \
-            if sb.banned else [None, None]
-        sampling = SamplingTensors(
-            temperatures=temps, top_ks=top_ks, top_ps=top_ps, min_ps=min_ps, seeds=seeds, steps=steps,
-            banned_rows=banned[0], banned_tokens=banned[1],
+        return SamplingTensors(
+            temperatures=v["temps"][:S], top_ks=v["top_ks"][:S], top_ps=v["top_ps"][:S], min_ps=v["min_ps"][:S],
+            seeds=v["seeds"][:S], steps=v["steps"][:S],
+            banned_rows=v["banned_rows"] if sb.banned else None, banned_tokens=v["banned_tokens"] if sb.banned else None,
             all_greedy=all(greedy), any_greedy=any(greedy),
             need_top_k=any(k > 0 for k in sb.top_ks), need_top_p=any(p < 1.0 for p in sb.top_ps),
             need_min_p=any(p > 0.0 for p in sb.min_ps), max_logprobs=max(asked) if asked else None)
-        return ids, pos, meta, last_t, sampling
-
-    def _sampling_tensors(self, sb: SamplingBatch) -> SamplingTensors:
-        """Sampling tensors alone (the warm-up pass)."""
-        batch = StepBatch(input_ids=[], positions=[], slot_mapping=[], cu_seqlens_q=[0], seq_lens=[],
-                          block_tables=[], max_seqlen_q=0, is_decode=False, sample_rows=[], sampling=sb)
-        return self._prepare(batch, None)[4]
 
     @torch.inference_mode()
     def launch(self, batch: StepBatch, prev: "PendingStep | None" = None) -> "PendingStep":
         """Enqueue one step on the device and return at once; `.result()` waits for the sampled ids.
 
-        `prev` is the step still in flight whose sampled ids fill this batch's placeholder inputs."""
-        ids, pos, meta, last, sampling = self._prepare(batch, prev)
-        if batch.is_decode and self.graphs and batch.num_seqs <= self.graph_sizes[-1]:
-            hidden = self._replay(batch.num_seqs, ids, pos, meta)             # (B, hidden)
+        Placeholder inputs (async scheduling) read the previous step's sampled ids, which stay on the device
+        in `sampled_buf`."""
+        n, S = batch.num_seqs, len(batch.sample_rows)
+        if batch.is_decode and self.graphs and n <= self.graph_sizes[-1]:
+            bs = self.graph_sizes[bisect.bisect_left(self.graph_sizes, n)]
+            v = self.staging.upload(batch, self.graph_layouts[bs], self.g_stage)
+            self.graphs[bs].replay()
+            logits = self.g_logits[bs][:n]                                     # (B, vocab); every row samples
         else:
-            hidden = self.model(ids, pos, meta)                               # (T, hidden)
-        if not batch.sample_rows:
-            return PendingStep(sampled=None, rank=self.tp.rank)
-        logits = self.model.compute_logits(hidden[last])                      # (S, vocab) float32
+            width = max((len(t) for t in batch.block_tables), default=1)
+            v = self.staging.upload(batch, Layout.make(batch.num_tokens, n, width, S, len(batch.sampling.banned)))
+            meta = AttentionMetadata(v["slots"], v["cu"], v["seq_lens"], v["tables"].view(n, width),
+                                     max_seqlen_q=batch.max_seqlen_q, is_decode=batch.is_decode)
+            ids = v["ids"]
+            if batch.placeholder_pos:
+                ids = torch.where(v["src"] >= 0, self.sampled_buf[v["src"].clamp(min=0)], ids)
+            hidden = self.model(ids, v["pos"], meta)                           # (T, hidden)
+            if not S:
+                return PendingStep(sampled=None, rank=self.tp.rank)
+            logits = self.model.compute_logits(hidden[v["last"]])              # (S, vocab) float32
         if self.tp.rank != 0:
             return PendingStep(sampled=None, rank=self.tp.rank)
-        out = self.sampler(logits, sampling)
+        out = self.sampler(logits, self._sampling_from(v, batch.sampling))
+        self.sampled_buf[:S].copy_(out.token_ids)
         return PendingStep.start_copy(out, self.device)
 
     def execute(self, batch: StepBatch) -> StepResult | None:

@@ -54,7 +54,7 @@ def _kv_rows(bt_row, n0, offs_n, n_limit, stride_kb, stride_ks,
 # prefill / mixed batch
 # ----------------------------------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(
     Q, K, V, Out, CU, SEQ_LENS, BT, qk_scale, num_seqs,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -70,9 +70,12 @@ def _prefill_kernel(
     # of cu_seqlens and a reduction instead of a chain of dependent loads.
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
-    offs_b = tl.arange(0, BLOCK_B)
-    starts = tl.load(CU + offs_b, mask=offs_b < num_seqs, other=1 << 30).to(tl.int32) // BLOCK_Q + offs_b
-    b = tl.sum((starts <= pid).to(tl.int32), axis=0) - 1
+    # BLOCK_B is fixed (not sized to the batch), so one compiled kernel serves every batch size
+    b = -1
+    for b0 in range(0, num_seqs, BLOCK_B):
+        offs_b = b0 + tl.arange(0, BLOCK_B)
+        starts = tl.load(CU + offs_b, mask=offs_b < num_seqs, other=1 << 30).to(tl.int32) // BLOCK_Q + offs_b
+        b += tl.sum((starts <= pid).to(tl.int32), axis=0)
     q_start = tl.load(CU + b).to(tl.int32)
     q_len = tl.load(CU + b + 1).to(tl.int32) - q_start
     qb = pid - (q_start // BLOCK_Q + b)
@@ -291,6 +294,9 @@ def _dot_precision(dtype):
     return "ieee" if dtype == torch.float32 else None
 
 
+_PREFILL_BLOCK_B = 128  # sequences looked up per step of the tile -> sequence search
+
+
 def _prefill_config(D: int, G_PAD: int, max_seqlen_q: int, dtype=torch.bfloat16):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages): heuristics for Hopper (wgmma for BLOCK_M >= 64), checked to
     compile for sm_90 without register spills in half precision, but not tuned on hardware."""
@@ -300,7 +306,8 @@ def _prefill_config(D: int, G_PAD: int, max_seqlen_q: int, dtype=torch.bfloat16)
         bm_max, block_n = 128, 64
     else:
         bm_max, block_n = 64, 32
-    block_m = min(bm_max, max(16, next_pow2(max_seqlen_q) * G_PAD))
+    # two tile heights only (short chunks / decode rows, and long prefills), so at most two compiled variants
+    block_m = min(bm_max, 32 if max_seqlen_q * G_PAD <= 32 else bm_max)
     block_m = max(block_m, G_PAD)
     warps = 8 if (block_m >= 128 or D > 128) and dtype != torch.float32 else 4
     return block_m, block_n, warps, 2
@@ -340,7 +347,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         G=G, G_PAD=G_PAD, BLOCK_Q=BLOCK_Q, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D,
-        BLOCK_SIZE=block_size, BLOCK_B=max(next_pow2(B), 2), PREC=_dot_precision(q.dtype),
+        BLOCK_SIZE=block_size, BLOCK_B=_PREFILL_BLOCK_B, PREC=_dot_precision(q.dtype),
         UPCAST=_upcast_dots(q.dtype), num_warps=warps, num_stages=stages,
     )
     return out

@@ -88,6 +88,15 @@ def test_prefill_mixed_batch(device, block_size, H, Hkv, D, dtype):
     assert (out[pad] == 0).all()  # seq_len 0 -> zeros
 
 
+def test_prefill_more_sequences_than_one_lookup_block(device):
+    """More sequences than the kernel's tile -> sequence search handles at once (it loops)."""
+    from nanovllm.kernels.attention import _PREFILL_BLOCK_B
+    n = _PREFILL_BLOCK_B + 9
+    specs = [(3 + i % 5, 1 + i % 2) for i in range(n)]
+    batch = make_batch(specs, 2, 1, 16, 16, torch.float32, device, seed=11)
+    torch.testing.assert_close(run_prefill(batch, 0.25), reference(batch, 0.25), **TOL[torch.float32])
+
+
 def test_prefill_strided_inputs_and_long_sequence(device):
     # q is a view of a fused qkv tensor, block_tables is a column slice; one sequence spans several KV tiles
     # with a multi-tile query block, the other is a single long-context decode.

@@ -1,0 +1,348 @@
+"""Fused Gumbel-max sampling: ``sample_ref`` (``nanovllm.layers.sampler``) without top-k / top-p / min-p filters.
+
+For each row ``b`` the token is ``argmax(logits[b])`` when ``temperatures[b] <= 0`` (greedy) and otherwise
+``argmax(logits[b] / T_b + G)`` with Gumbel noise ``G_v = -log(-log(U_v))``, ``U = hash_uniform(seeds, steps, V)``
+(splitmix64 of ``seed * golden + step * c + v``, top 24 bits). argmax follows torch: ties go to the lowest index
+and NaN counts as the maximum (the first NaN wins).
+
+Exactness
+---------
+The tokens are those of the reference on the same device, not merely "close": every score that can decide the
+argmax is the reference's float32 value, bit for bit:
+
+* the hash runs in uint64 (wrapping multiplies, logical shifts), so ``U`` has the reference's bits;
+* ``logits / T`` is an IEEE division (``tl.div_rn``; a plain ``/`` compiles to an approximate division);
+* ``log`` is libdevice ``__nv_logf``, which is what CUDA's ``logf`` (so torch's ``log`` on CUDA) compiles to. Under
+  the CPU interpreter ``tl.log`` (numpy) stands in; it can differ from torch's CPU log by an ulp.
+
+Exact scores cost ~100 instructions per logit (two accurate logs, a 64-bit hash, an IEEE division), about twice
+the time it takes to stream the logits from HBM. So the streaming pass is a *filter*: it computes a cheap score
+(``x * (1/T)`` and the noise from hardware ``lg2.approx``, with a series for ``-log(u)`` near ``u = 1``) whose
+error is bounded (|approx - exact| < ~2e-5 + 2^-21 |score|, see ``_gumbel_approx``) and keeps per lane the best
+cheap score, its index and the runner-up. If the chunk's best beats every other cheap score by more than twice the
+error bound (``_MARGIN_ABS + _MARGIN_REL * (|best| + |second|)``), it is the exact argmax too, and only its exact
+score is recomputed (one element). Otherwise (near-ties, NaN, +-inf corner cases; with continuous noise this
+happens for ~1e-4 of the chunks) the program re-runs its chunk with exact scores. Either way the partial
+(exact max, argmax) is exact. Greedy rows compare the raw logits directly.
+
+Work split
+----------
+Each row's vocabulary is cut into ``num_chunks`` chunks of whole ``BLOCK`` tiles; program ``(b, c)`` streams chunk
+``c`` of row ``b`` once and writes a partial ``(max, argmax)``; a tiny second kernel reduces the ``(B, num_chunks)``
+partials (with one chunk the first kernel writes the token directly). The chunk count depends on shapes and the
+device's SM count only, never on values: no host sync, CUDA-graph safe. The result does not depend on it.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from nanovllm.kernels._common import check_int, check_same_device, next_pow2, sm_count
+
+BLOCK = 1024            # vocabulary tile per loop iteration (8 logits per thread with 4 warps)
+NUM_WARPS = 4
+MAX_CHUNK = 16 * 1024   # a program streams at most ~this many logits (many short programs balance the load)
+PROGRAMS_PER_SM = 4     # at least this many programs per SM overall (small batches split rows further)
+
+# Verification margin: the cheap scores' error bound is ~1.7e-5 + 2^-21.4 * |score| per element (see
+# _gumbel_approx); a winner must lead the runner-up by more than the sum of both bounds, with room to spare.
+_MARGIN_ABS = 2e-5
+_MARGIN_REL = 2.0 ** -20
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# device helpers
+# ----------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _logf(x, GPU: tl.constexpr):
+    if GPU:
+        y = libdevice.log(x)  # __nv_logf: torch's log on CUDA (the interpreter has no libdevice)
+    else:
+        y = tl.log(x)
+    return y
+
+
+@triton.jit
+def _log2_fast(x, GPU: tl.constexpr):
+    if GPU:
+        y = libdevice.fast_log2f(x)  # lg2.approx: abs error <= 2^-22 on [0.5, 2], <= 2 ulp elsewhere
+    else:
+        y = tl.log2(x)
+    return y
+
+
+@triton.jit
+def _uniform(base, offs):
+    """U for tokens ``offs`` (int32, >= 0) of a row with hash base ``seed*golden + step*c`` (uint64): the bits of
+    ``hash_uniform``."""
+    h = base + offs.to(tl.uint32).to(tl.uint64)
+    h = h ^ (h >> 30)
+    h = h * 0xBF58476D1CE4E5B9
+    h = h ^ (h >> 27)
+    # last multiply by 0x94D049BB133111EB: only the high 32 bits are needed (splitmix64's final h ^= h >> 31
+    # leaves the top 33 bits unchanged, and U uses the top 24), i.e. hi(lo * 0x133111EB) + lo * 0x94D049BB +
+    # hi * 0x133111EB mod 2^32. In 32-bit ops the compiler converts with a plain int32 -> float32 conversion.
+    lo = h.to(tl.uint32)
+    hi = (h >> 32).to(tl.uint32)
+    top = (tl.umulhi(lo, tl.full(lo.shape, 0x133111EB, tl.uint32)) + lo * 0x94D049BB + hi * 0x133111EB) >> 8
+    return (top.to(tl.int32, bitcast=True).to(tl.float32) + 0.5) * (1.0 / 16777216.0)  # the reference's roundings
+
+
+@triton.jit
+def _gumbel_exact(u, GPU: tl.constexpr):
+    return -_logf(-_logf(u, GPU), GPU)
+
+
+@triton.jit
+def _score_approx(x, rcp, u, GPU: tl.constexpr):
+    """x / T - log(-log(u)) within ~2e-5 + 2^-21.4 |score| of the exact score; +inf at u = 1 like the exact one.
+
+    With l = -log2(u) (so -log(u) = ln2 * l), the noise is -ln2 * log2(l) - ln2 * log2(ln2):
+    * l for u <= 15/16: -lg2.approx(u), absolute error <= 2^-22 on [0.5, 1) (CUDA's __log2f bound) and <= 2 ulp
+      below, i.e. relative error <= 2^-22 / |log2(15/16)| ~ 2.6e-6;
+    * above 15/16: the series (d + d^2/2 + ... + d^5/5) / ln2 in d = 1 - u (exact by Sterbenz; truncation
+      <= d^5/6 < 1.6e-7 relative), avoiding lg2.approx's absolute (not relative) error near 1;
+    * log2(l) by lg2.approx again: <= 2^-22 absolute on [0.5, 2], <= 2 ulp (<= 2.8e-6 for |log2 l| <= 24) else.
+    So the noise is within ~(2.6e-6 + 2.8e-6 + rounding) * ln2 < 5e-6; x * (1/T) is within 2^-22.4 |x/T| of the
+    IEEE quotient, and both sums round once (x * rcp is fused into the final fma).
+    """
+    d = 1.0 - u
+    ser = d * (1.4426950408889634 + d * (0.7213475204444817 + d * (0.48089834696298783
+                                                                     + d * (0.36067376022224085
+                                                                            + d * 0.28853900817779268))))
+    l = tl.where(d < 0.0625, ser, -_log2_fast(u, GPU))
+    # -ln2 * log2(ln2) = 0.36651292058166435
+    return _log2_fast(l, GPU) * -0.6931471805599453 + (x * rcp + 0.36651292058166435)
+
+
+@triton.jit
+def _better(x, best):
+    """x beats the running best seen at a lower index (torch.argmax order: NaN above all, ties keep the first)."""
+    return (x > best) | ((x != x) & (best == best))
+
+
+@triton.jit
+def _argmax_lanes(vals, idxs):
+    """Reduce per-lane (best, index) to (max, lowest index of the max) with NaN as the maximum."""
+    isnan = vals != vals
+    any_nan = tl.max(isnan.to(tl.int32), axis=0) > 0
+    m = tl.max(tl.where(isnan, float("-inf"), vals), axis=0)
+    hit = tl.where(any_nan, isnan, vals == m)
+    idx = tl.min(tl.where(hit, idxs, 2147483647), axis=0)
+    val = tl.where(any_nan, float("nan"), m)
+    return val, idx
+
+
+@triton.jit
+def _greedy_tile(lrow, s, lanes, end, best, best_i, MASKED: tl.constexpr):
+    offs = s + lanes
+    if MASKED:
+        x = tl.load(lrow + offs, mask=offs < end, other=float("-inf"), eviction_policy="evict_first")
+    else:
+        x = tl.load(lrow + offs, eviction_policy="evict_first")
+    upd = _better(x, best)
+    return tl.where(upd, x, best), tl.where(upd, offs, best_i)
+
+
+@triton.jit
+def _exact_chunk(lrow, start, end, lanes, t, base, BLOCK: tl.constexpr, GPU: tl.constexpr):
+    """(exact max score, lowest argmax) over tokens [start, end) of a sampled row."""
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = start + lanes
+    for s in range(start, end, BLOCK):
+        offs = s + lanes
+        mask = offs < end
+        x = tl.load(lrow + offs, mask=mask, other=0.0)
+        score = tl.div_rn(x, t) + _gumbel_exact(_uniform(base, offs), GPU)
+        score = tl.where(mask, score, float("-inf"))
+        upd = _better(score, best)
+        best = tl.where(upd, score, best)
+        best_i = tl.where(upd, offs, best_i)
+    return _argmax_lanes(best, best_i)
+
+
+@triton.jit
+def _approx_tile(lrow, s, lanes, end, rcp, base, best, second, best_i, MASKED: tl.constexpr, GPU: tl.constexpr):
+    offs = s + lanes
+    if MASKED:
+        mask = offs < end
+        x = tl.load(lrow + offs, mask=mask, other=0.0, eviction_policy="evict_first")
+    else:
+        x = tl.load(lrow + offs, eviction_policy="evict_first")
+    a = _score_approx(x, rcp, _uniform(base, offs), GPU)
+    # NaN (NaN logit, or -inf logit + inf noise) would be invisible to '>': rank it as +inf, so it wins or ties
+    # (a tie at +inf fails verification and the exact pass, which knows NaN > inf, decides)
+    a = tl.where(a != a, float("inf"), a)
+    if MASKED:
+        a = tl.where(mask, a, float("-inf"))
+    upd = a > best
+    second = tl.maximum(second, tl.minimum(a, best))  # runner-up of the lane: whatever is not its best
+    return tl.where(upd, a, best), second, tl.where(upd, offs, best_i)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _sample_chunk_kernel(
+    L, TEMP, SEED, STEP, PART_V, PART_I, OUT, V, chunk_len,
+    stride_l, stride_t, stride_seed, stride_step, stride_out, margin_abs, margin_rel,
+    BLOCK: tl.constexpr, SINGLE: tl.constexpr, FORCE_EXACT: tl.constexpr, GPU: tl.constexpr,
+):
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    start = chunk * chunk_len
+    end = tl.minimum(start + chunk_len, V)
+    full_end = start + ((end - start) // BLOCK) * BLOCK  # tiles below full_end need no mask
+    lrow = L + row.to(tl.int64) * stride_l
+    lanes = tl.arange(0, BLOCK)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = start + lanes
+    t = tl.load(TEMP + row * stride_t)
+    if t <= 0:  # greedy: argmax of the raw logits (a NaN temperature samples, as in the reference)
+        for s in range(start, full_end, BLOCK):
+            best, best_i = _greedy_tile(lrow, s, lanes, end, best, best_i, False)
+        if full_end < end:
+            best, best_i = _greedy_tile(lrow, full_end, lanes, end, best, best_i, True)
+        val, idx = _argmax_lanes(best, best_i)
+    else:
+        seed = tl.load(SEED + row * stride_seed).to(tl.int64).to(tl.uint64, bitcast=True)
+        step = tl.load(STEP + row * stride_step).to(tl.int64).to(tl.uint64, bitcast=True)
+        base = seed * 0x9E3779B97F4A7C15 + step * 0xD1B54A32D192ED03
+        if FORCE_EXACT:
+            val, idx = _exact_chunk(lrow, start, end, lanes, t, base, BLOCK, GPU)
+        else:
+            # filter pass: cheap scores, per-lane best / runner-up
+            rcp = tl.div_rn(1.0, t)
+            second = tl.full([BLOCK], float("-inf"), tl.float32)
+            for s in range(start, full_end, BLOCK):
+                best, second, best_i = _approx_tile(lrow, s, lanes, end, rcp, base, best, second, best_i,
+                                                    False, GPU)
+            if full_end < end:
+                best, second, best_i = _approx_tile(lrow, full_end, lanes, end, rcp, base, best, second, best_i,
+                                                    True, GPU)
+            m = tl.max(best, axis=0)
+            w = tl.min(tl.where(best == m, best_i, 2147483647), axis=0)
+            sec = tl.max(tl.where(best_i == w, second, best), axis=0)  # best of everything but the winner
+            lead = (m - sec) > margin_abs + margin_rel * (tl.abs(m) + tl.abs(sec))
+            ok = (m > sec) & ((sec == float("-inf")) | ((m == float("inf")) & (sec < 1e30)) | lead)
+            if ok:  # the cheap winner is the exact winner: recompute its exact score only
+                x = tl.load(lrow + w)
+                val = tl.div_rn(x, t) + _gumbel_exact(_uniform(base, w), GPU)
+                idx = w
+            else:  # near-tie or special values: exact scores for the whole chunk
+                val, idx = _exact_chunk(lrow, start, end, lanes, t, base, BLOCK, GPU)
+    if SINGLE:
+        tl.store(OUT + row * stride_out, idx.to(tl.int64))
+    else:
+        nc = tl.num_programs(1)
+        tl.store(PART_V + row * nc + chunk, val)
+        tl.store(PART_I + row * nc + chunk, idx)
+
+
+@triton.jit
+def _sample_reduce_kernel(PART_V, PART_I, OUT, stride_out, NUM_CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_C)
+    mask = offs < NUM_CHUNKS
+    v = tl.load(PART_V + row * NUM_CHUNKS + offs, mask=mask, other=float("-inf"))
+    i = tl.load(PART_I + row * NUM_CHUNKS + offs, mask=mask, other=2147483647)
+    _, idx = _argmax_lanes(v, i)
+    tl.store(OUT + row * stride_out, idx.to(tl.int64))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# host wrapper
+# ----------------------------------------------------------------------------------------------------------------
+
+def sample_num_chunks(batch: int, vocab_size: int, device: torch.device | str = "cuda") -> int:
+    """Vocabulary chunks per row, from shapes (and the SM count) only: enough programs to fill the GPU
+    (>= PROGRAMS_PER_SM per SM) and none streaming more than ~MAX_CHUNK logits; whole tiles, no empty chunk."""
+    n_tiles = triton.cdiv(vocab_size, BLOCK)
+    want = max(triton.cdiv(PROGRAMS_PER_SM * sm_count(torch.device(device)), max(batch, 1)),
+               triton.cdiv(vocab_size, MAX_CHUNK))
+    per_chunk = triton.cdiv(n_tiles, max(1, min(want, n_tiles)))
+    return triton.cdiv(n_tiles, per_chunk)
+
+
+def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
+           out: torch.Tensor | None = None, *, num_chunks: int | None = None,
+           _force_exact: bool = False) -> torch.Tensor:
+    """Gumbel-max sampling in one pass over the logits: the tokens of ``sample_ref`` without filters.
+
+    Args:
+        logits: (B, V) float32; rows may be strided (e.g. a column slice) but the last dim must be contiguous.
+        temperatures: (B,) float32; rows with T <= 0 take the argmax of the logits.
+        seeds, steps: (B,) int64 (int32 is sign-extended, like ``.long()``): noise seeds and output positions.
+        out: optional (B,) int64 output buffer.
+        num_chunks: vocabulary chunks per row (default ``sample_num_chunks(B, V)``); the tokens do not depend on
+            it. ``_force_exact`` skips the filter pass (tests).
+    Returns (B,) int64 token ids. CUDA-graph safe: no host sync; launch sizes and allocations depend on shapes only.
+    """
+    fn = "sample"
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        raise ValueError(f"{fn}: logits must be a (B, V) tensor, got "
+                         f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__}")
+    if logits.dtype != torch.float32:
+        raise ValueError(f"{fn}: logits must be float32, got {logits.dtype}")
+    B, V = logits.shape
+    if V == 0:
+        raise ValueError(f"{fn}: logits have an empty vocabulary (shape {tuple(logits.shape)})")
+    if V >= 2**31 - 2 * BLOCK:
+        raise ValueError(f"{fn}: vocabulary size {V} too large (token ids are int32 inside the kernel)")
+    if logits.stride(1) != 1 and V > 1:
+        raise ValueError(f"{fn}: the last dim of logits must be contiguous (stride 1), got strides "
+                         f"{tuple(logits.stride())} for shape {tuple(logits.shape)}; call .contiguous() first")
+    for name, t in (("temperatures", temperatures), ("seeds", seeds), ("steps", steps)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.shape[0] != B:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{fn}: {name} must be a ({B},) tensor (one per logits row), got {got}")
+    if temperatures.dtype != torch.float32:
+        raise ValueError(f"{fn}: temperatures must be float32, got {temperatures.dtype}")
+    check_int(f"{fn}: seeds", seeds)
+    check_int(f"{fn}: steps", steps)
+    check_same_device(logits=logits, temperatures=temperatures, seeds=seeds, steps=steps)
+    if out is None:
+        out = torch.empty(B, dtype=torch.int64, device=logits.device)
+    else:
+        if not isinstance(out, torch.Tensor) or out.shape != (B,) or out.dtype != torch.int64:
+            got = (tuple(out.shape), out.dtype) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(f"{fn}: out must be a ({B},) int64 tensor, got {got}")
+        check_same_device(logits=logits, out=out)
+    if B == 0:
+        return out
+    n_tiles = triton.cdiv(V, BLOCK)
+    if num_chunks is None:
+        num_chunks = sample_num_chunks(B, V, logits.device)
+    num_chunks = int(num_chunks)
+    if num_chunks < 1:
+        raise ValueError(f"{fn}: num_chunks must be >= 1, got {num_chunks}")
+    per_chunk = triton.cdiv(n_tiles, min(num_chunks, n_tiles))  # tiles per chunk
+    num_chunks = triton.cdiv(n_tiles, per_chunk)                  # so that no chunk is empty
+    single = num_chunks == 1
+    if single:
+        part_v = part_i = out  # unused
+    else:
+        part_v = torch.empty(B * num_chunks, dtype=torch.float32, device=logits.device)
+        part_i = torch.empty(B * num_chunks, dtype=torch.int32, device=logits.device)
+    _sample_chunk_kernel[(B, num_chunks)](
+        logits, temperatures, seeds, steps, part_v, part_i, out, V, per_chunk * BLOCK,
+        logits.stride(0), temperatures.stride(0), seeds.stride(0), steps.stride(0), out.stride(0),
+        _MARGIN_ABS, _MARGIN_REL,
+        BLOCK=BLOCK, SINGLE=single, FORCE_EXACT=bool(_force_exact), GPU=not _interpreting(),
+        num_warps=NUM_WARPS,
+    )
+    if not single:
+        _sample_reduce_kernel[(B,)](part_v, part_i, out, out.stride(0), NUM_CHUNKS=num_chunks,
+                                    BLOCK_C=next_pow2(num_chunks), num_warps=1)
+    return out
