@@ -110,9 +110,26 @@ def check_small_ops(T=256, hidden=4096, inter=12288, H=32, Hkv=8, D=128, dtype=t
     report(f"apply_rotary T={T} H={H}/{Hkv}", max(rel(qo, qr), rel(ko, kr)), ms, 2 * (q.numel() + k.numel()) * 2)
 
 
+def check_sampler(B=256, V=151936):
+    from nanovllm.layers.sampler import sample_ref
+    logits = torch.randn(B, V, device=dev) * 3
+    temps = torch.full((B,), 0.6, device=dev)
+    temps[::7] = 0.0
+    seeds = torch.randint(0, 2**62, (B,), device=dev)
+    steps = torch.randint(0, 1000, (B,), device=dev)
+    ref = sample_ref(logits, temps, seeds, steps)
+    out = kernels.sample(logits, temps, seeds, steps)
+    mism = (out != ref).float().mean().item()
+    ms = triton.testing.do_bench(lambda: kernels.sample(logits, temps, seeds, steps), return_mode="median")
+    ms_ref = triton.testing.do_bench(lambda: sample_ref(logits, temps, seeds, steps), return_mode="median")
+    report(f"sample B={B} V={V} (torch ref {ms_ref * 1e3:.0f} us)", mism, ms, logits.numel() * 4, tol=1e-9)
+
+
 def main():
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
+    check_sampler()
+    check_sampler(B=4)
     check_small_ops()
     check_decode(256, 100, 2048)                      # the workload's decode shape (0.6B / 8B: 8 kv heads)
     check_decode(256, 100, 2048, H=32)                # 8B: 32 query heads

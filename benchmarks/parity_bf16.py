@@ -29,9 +29,9 @@ def main():
     rng = random.Random(0)
     prompts = [[rng.randrange(480) for _ in range(rng.randint(1, 600))] for _ in range(N_PROMPTS)]
     greedy = SamplingParams(temperature=0.0, max_tokens=N_NEW)
-    one = SamplingParams(temperature=0.0, max_tokens=1)
+    one = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2)
     engines = {"torch-eager": dict(attention_backend="torch", enforce_eager=True), "triton-graphs": dict()}
-    free, forced = {}, {}
+    free, forced, gaps = {}, {}, {}
     ref = None
     for name, kw in engines.items():
         llm = LLM(path, dtype="bfloat16", kvcache_block_size=16, max_num_seqs=128, **kw)
@@ -39,7 +39,9 @@ def main():
         if ref is None:
             ref = free[name]
         contexts = [p + r[:k] for p, r in zip(prompts, ref) for k in range(len(r))]
-        forced[name] = [o["token_ids"][0] for o in llm.generate(contexts, one, use_tqdm=False)]
+        outs = llm.generate(contexts, one, use_tqdm=False)
+        forced[name] = [o["token_ids"][0] for o in outs]
+        gaps[name] = [o["logprobs"][0]["top"][0][1] - o["logprobs"][0]["top"][1][1] for o in outs]
         llm.shutdown()
         del llm
     want = [t for r in ref for t in r]
@@ -47,6 +49,15 @@ def main():
         agree = sum(a == b for a, b in zip(forced[name], want))
         print(f"{name:14s} teacher-forced next token == torch-eager continuation: {agree}/{len(want)} "
               f"({100 * agree / len(want):.2f}%)")
+    a, b, gap = forced["torch-eager"], forced["triton-graphs"], gaps["torch-eager"]
+    agree = sum(x == y for x, y in zip(a, b))
+    print(f"teacher-forced, triton-graphs vs torch-eager: {agree}/{len(a)} positions agree ({100 * agree / len(a):.2f}%)")
+    for thr in (0.01, 0.05, 0.1):
+        clear = [(x, y) for x, y, g in zip(a, b, gap) if g > thr]
+        ok = sum(x == y for x, y in clear)
+        print(f"  where torch's top-2 logprob gap > {thr}: {ok}/{len(clear)} ({100 * ok / max(len(clear), 1):.2f}%)")
+    near = sorted(g for x, y, g in zip(a, b, gap) if x != y)
+    print(f"  top-2 gaps at the disagreements: {[round(g, 4) for g in near[:12]]}{' ...' if len(near) > 12 else ''}")
     a, b = free["torch-eager"], free["triton-graphs"]
     prefix = sum(next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), len(x)) for x, y in zip(a, b))
     print(f"free-running: {prefix}/{len(want)} positions agree before the first divergence, "

@@ -47,6 +47,9 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - t0
         self.backend = get_attention_backend(config.attention_backend)
         self.sampler = Sampler()
+        if self.device.type == "cuda" and config.attention_backend == "triton":
+            from nanovllm import kernels
+            self.sampler.fused_sample = kernels.sample
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         if config.attention_backend == "triton" and self.device.type == "cuda":
             self._install_fused_ops()

@@ -13,6 +13,7 @@ Public kernels (each mirrors a torch reference elsewhere in the package):
 * ``rms_norm(x, weight, eps)``, ``add_rms_norm(x, residual, weight, eps)`` -> normed / (normed, x + residual)
 * ``silu_and_mul(x)``                                                     -> (..., I)
 * ``apply_rotary(q, k, positions, cos_sin_cache)``                        -> (q_rot, k_rot) (in place by default)
+* ``sample(logits, temperatures, seeds, steps, out=None)``                -> (B,) int64 (Gumbel-max, no filters)
 
 :class:`TritonOps` bundles them as methods so an instance can be assigned to a module's ``.fused`` attribute.
 """
@@ -24,7 +25,7 @@ import importlib.util
 __all__ = [
     "TritonOps", "triton_available",
     "store_kvcache", "paged_prefill_attention", "paged_decode_attention", "decode_workspace_numel",
-    "rms_norm", "add_rms_norm", "silu_and_mul", "apply_rotary",
+    "rms_norm", "add_rms_norm", "silu_and_mul", "apply_rotary", "sample",
 ]
 
 # public name -> submodule that defines it
@@ -37,6 +38,7 @@ _LAZY = {
     "add_rms_norm": "norm",
     "silu_and_mul": "activation",
     "apply_rotary": "rotary",
+    "sample": "sampling",
 }
 
 _available: bool | None = None
@@ -87,6 +89,7 @@ class TritonOps:
         self._store_kvcache = _load("store_kvcache")
         self._prefill = _load("paged_prefill_attention")
         self._decode = _load("paged_decode_attention")
+        self._sample = _load("sample")
 
     def rms_norm(self, x, weight, eps):
         return self._rms_norm(x, weight, eps)
@@ -110,3 +113,6 @@ class TritonOps:
 
     def paged_decode_attention(self, q, k_cache, v_cache, seq_lens, block_tables, scale, out=None, **kwargs):
         return self._decode(q, k_cache, v_cache, seq_lens, block_tables, scale, out=out, **kwargs)
+
+    def sample(self, logits, temperatures, seeds, steps, out=None):
+        return self._sample(logits, temperatures, seeds, steps, out=out)

@@ -29,7 +29,7 @@ _STEP = _i64(0xD1B54A32D192ED03)
 def hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """(B,) int64 seeds and output positions -> (B, vocab_size) float32 uniforms in (0, 1).
 
-    splitmix64 of seed * golden + step * c + token: a pure function of its three inputs.
+    splitmix64 of seed * golden + step * c + token, top 23 bits: a pure function of its three inputs.
     Shifts are arithmetic on int64, so each is masked to act as a logical shift.
     """
     tok = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
@@ -39,8 +39,8 @@ def hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> t
     x = x ^ ((x >> 27) & ((1 << 37) - 1))
     x = x * _MIX2
     x = x ^ ((x >> 31) & ((1 << 33) - 1))
-    top24 = (x >> 40) & 0xFFFFFF
-    return (top24.float() + 0.5) * (1.0 / 16777216.0)
+    top23 = (x >> 41) & 0x7FFFFF  # 23 bits: (top23 + 0.5) / 2^23 is exact in float32 and always < 1
+    return (top23.float() + 0.5) * (1.0 / 8388608.0)
 
 
 @dataclass

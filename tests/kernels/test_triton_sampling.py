@@ -1,0 +1,230 @@
+"""Fused Gumbel-max sampling kernel (``nanovllm.kernels.sampling.sample``) against ``sample_ref``.
+
+Under the CPU interpreter the kernel's ``log`` is numpy's, which differs from torch's CPU ``log`` by an ulp for ~20%
+of the arguments; the noise is otherwise bit-identical (hash, division and sums are the same float32 ops). So:
+* on random logits the tokens must equal ``sample_ref``'s exactly (an ulp of noise cannot flip a real argmax);
+* where scores are deliberately tied to within ulps, the tokens must equal ``_device_ref`` exactly, i.e. the
+  reference formula with the log of the kernel's device (numpy under the interpreter, torch = libdevice on CUDA,
+  where ``_device_ref`` is ``sample_ref`` itself), and the chosen token's ``sample_ref`` score must be the max
+  within a few ulps.
+"""
+import numpy as np
+import pytest
+import torch
+
+import nanovllm.kernels as kernels
+from nanovllm.kernels.sampling import BLOCK, sample, sample_num_chunks
+from nanovllm.layers.sampler import hash_uniform, sample_ref
+
+# a (seed, step, token) whose top 24 hash bits are all ones: with 24 bits U would round to 1.0 (infinite
+# noise); with the 23 bits used, U stays below 1
+U_ONE = (2679, 7, 1424)
+
+
+def _inputs(B, V, seed, device, temps=None):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, V, generator=g) * 3
+    if temps is None:
+        temps = torch.tensor([0.0, 0.7, 1.0, 1.3, -1.0, 0.05, 2.0, 0.9])[torch.arange(B) % 8]
+    seeds = torch.randint(-2**63, 2**63 - 1, (B,), generator=g, dtype=torch.int64)
+    steps = torch.randint(0, 2**40, (B,), generator=g, dtype=torch.int64)
+    return logits.to(device), temps.float().to(device), seeds.to(device), steps.to(device)
+
+
+def _scores(logits, temps, seeds, steps, log):
+    greedy = temps <= 0
+    x = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
+    return x - log(-log(hash_uniform(seeds, steps, logits.shape[1])))
+
+
+def _device_ref(logits, temps, seeds, steps):
+    """sample_ref with the log the kernel uses on this device."""
+    if logits.is_cuda:
+        return sample_ref(logits, temps, seeds, steps)
+
+    def np_log(t):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return torch.from_numpy(np.log(t.numpy()))
+
+    ids = _scores(logits, temps, seeds, steps, np_log).argmax(dim=-1)
+    return torch.where(temps <= 0, logits.argmax(dim=-1), ids)
+
+
+@pytest.mark.parametrize("B,V,num_chunks", [(8, 3000, None), (8, 3000, 1), (6, 2049, 2), (5, 2500, 7), (3, 700, None)])
+def test_matches_reference(device, B, V, num_chunks):
+    logits, temps, seeds, steps = _inputs(B, V, seed=V + B, device=device)
+    out = sample(logits, temps, seeds, steps, num_chunks=num_chunks)
+    assert out.dtype == torch.int64 and out.shape == (B,) and out.device == logits.device
+    assert out.tolist() == sample_ref(logits, temps, seeds, steps).tolist()
+    greedy = (temps <= 0).nonzero().flatten()
+    assert out[greedy].tolist() == logits[greedy].argmax(dim=-1).tolist()
+
+
+def test_exact_path_matches_reference(device):
+    # the filter pass skipped: every chunk scored exactly (the path taken after a failed verification)
+    logits, temps, seeds, steps = _inputs(8, 3000, seed=11, device=device)
+    ref = sample_ref(logits, temps, seeds, steps).tolist()
+    assert sample(logits, temps, seeds, steps, num_chunks=3, _force_exact=True).tolist() == ref
+
+
+def test_many_seeds(device):
+    B, V = 48, 700
+    logits, _, seeds, steps = _inputs(B, V, seed=5, device=device)
+    temps = torch.linspace(0.3, 2.5, B, device=device)
+    steps[:8] = torch.arange(8, device=device)  # small steps / seeds too
+    seeds[:8] = torch.arange(8, device=device) - 3
+    assert sample(logits, temps, seeds, steps).tolist() == sample_ref(logits, temps, seeds, steps).tolist()
+
+
+def test_greedy_ties_and_special_values(device):
+    V = 3000
+    logits = torch.randn(6, V, generator=torch.Generator().manual_seed(3))
+    logits[0, [2500, 1029, 5]] = 9.0                  # ties across lanes and chunks -> lowest index
+    logits[1] = float("-inf")                         # all -inf -> 0
+    logits[2, [1700, 40]] = float("nan")              # NaN is the max, first one wins
+    logits[3, [2999, 1500]] = float("inf")
+    logits[4] = 0.0
+    logits[4, 7] = -0.0                               # -0 == +0: index 0
+    logits[5, 2048] = 50.0                            # first element of the last (partial) tile
+    logits = logits.to(device)
+    temps = torch.zeros(6, device=device)
+    seeds = torch.arange(6, device=device)
+    ref = logits.argmax(dim=-1).tolist()
+    assert ref == [5, 0, 40, 1500, 0, 2048]
+    for nc in (1, 3):
+        assert sample(logits, temps, seeds, seeds, num_chunks=nc).tolist() == ref
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy (interpreter) on log(0), inf - inf
+def test_sampled_special_values(device):
+    seed, step, tok = U_ONE
+    V = 2200
+    logits, _, seeds, steps = _inputs(11, V, seed=4, device=device)
+    temps = torch.full((11,), 0.8, device=device)
+    assert float(hash_uniform(torch.tensor([seed]), torch.tensor([step]), V)[0, tok]) == 1.0 - 2.0 ** -24
+    logits[0, ::2] = float("-inf")                    # banned tokens
+    logits[1] = float("-inf")                         # everything banned -> 0
+    logits[2, [1800, 300]] = float("nan")             # NaN wins, the first one
+    logits[3, [2100, 900]] = float("inf")             # +inf wins, the first one
+    seeds[4], steps[4] = seed, step                   # the largest U: finite noise
+    seeds[5], steps[5] = seed, step
+    logits[5, tok] = float("-inf")                    # ... which never lifts a banned token
+    logits[6] *= 1e30                                 # huge scores
+    logits[7] *= 1e-30                                # tiny scores: the noise decides
+    logits[8] = 1.0                                   # flat: the noise decides
+    temps[9] = float("nan")                           # NaN temperature: NaN scores -> 0 (not greedy)
+    temps[10] = float("inf")                          # infinite temperature: the noise alone decides
+    ref = sample_ref(logits, temps, seeds, steps).tolist()
+    assert ref[1:4] == [0, 300, 900] and ref[5] != tok and ref[9] == 0
+    for nc in (1, 3):
+        assert sample(logits, temps, seeds, steps, num_chunks=nc).tolist() == ref
+
+
+def test_near_ties(device):
+    """Scores equal to within ulps: the filter cannot separate them, the exact pass decides (lowest index)."""
+    B, V = 4, 2100
+    _, _, seeds, steps = _inputs(B, V, seed=8, device=device)
+    temps = torch.tensor([1.0, 0.7, 1.9, 0.3], device=device)
+    log = torch.log if device == "cuda" else (lambda t: torch.from_numpy(np.log(t.numpy())))
+    gumbel = -log(-log(hash_uniform(seeds, steps, V)))
+    logits = -gumbel * temps[:, None]                 # x / T + g == 0 up to rounding, for every token
+    logits[:, 1::3] -= 1e-3                           # a third of the vocabulary clearly out
+    logits[3, 1234] += 2e-6                           # a lead far below the filter's margin
+    tokens = sample(logits, temps, seeds, steps, num_chunks=3)
+    assert tokens.tolist() == _device_ref(logits, temps, seeds, steps).tolist()
+    ref_scores = _scores(logits, temps, seeds, steps, torch.log)
+    picked = ref_scores.gather(1, tokens[:, None]).squeeze(1)
+    torch.testing.assert_close(picked, ref_scores.max(dim=-1).values, atol=1e-6, rtol=0)
+    if device == "cuda":
+        assert tokens.tolist() == sample_ref(logits, temps, seeds, steps).tolist()
+
+
+def test_strided_inputs_and_out(device):
+    B, V = 5, 1500
+    logits, temps, seeds, steps = _inputs(B, V, seed=9, device=device)
+    wide = torch.full((B, V + 11), float("nan"), device=device)
+    wide[:, 3:3 + V] = logits
+    view = wide[:, 3:3 + V]                           # row stride V + 11, last dim contiguous
+    t2 = torch.stack([temps, temps], 1)[:, 0]         # stride-2 vectors
+    s2 = torch.stack([seeds, seeds], 1)[:, 0]
+    out = torch.full((B,), -1, dtype=torch.int64, device=device)
+    ref = sample_ref(logits, temps, seeds, steps).tolist()
+    assert sample(view, t2, s2, steps, out=out) is out
+    assert out.tolist() == ref
+    # int32 seeds / steps are sign-extended, like the reference's .long()
+    s32, st32 = (seeds % 1000 - 500).int(), (steps % 1000).int()
+    assert sample(logits, temps, s32, st32).tolist() == sample_ref(logits, temps, s32.long(), st32.long()).tolist()
+
+
+def test_distribution(device):
+    """Frequencies over rows with different seeds follow softmax(logits / T).
+
+    Under the interpreter a kernel program costs ~20 ms, so the kernel itself samples a few hundred rows (checked
+    token by token against the reference) and the frequencies are checked on 100k reference rows; on CUDA the kernel
+    samples 100k rows itself.
+    """
+    base = torch.tensor([1.0, 0.5, 2.0, -1.0, 0.0, 1.5, -3.0], device=device)
+    T = 0.8
+    probs = torch.softmax(base / T, dim=-1).cpu()
+
+    def freqs(tokens):
+        return torch.bincount(tokens.cpu(), minlength=base.numel()).double() / tokens.numel()
+
+    N = 100_000
+    seeds = torch.arange(N, device=device) * 7919 + 12345
+    steps = torch.arange(N, device=device) % 23
+    temps = torch.full((N,), T, device=device)
+    logits = base.expand(N, -1)                       # row stride 0
+    ref = sample_ref(logits, temps, seeds, steps)
+    torch.testing.assert_close(freqs(ref), probs.double(), atol=0.01, rtol=0)
+    n = N if device == "cuda" else 96
+    tokens = sample(logits[:n], temps[:n], seeds[:n], steps[:n])
+    assert tokens.tolist() == ref[:n].tolist()
+    torch.testing.assert_close(freqs(tokens), probs.double(), atol=0.01 if n == N else 0.12, rtol=0)
+
+
+def test_validation(device):
+    logits, temps, seeds, steps = _inputs(3, 100, seed=1, device=device)
+    with pytest.raises(ValueError, match="float32"):
+        sample(logits.half(), temps, seeds, steps)
+    with pytest.raises(ValueError, match=r"\(B, V\)"):
+        sample(logits[0], temps, seeds, steps)
+    with pytest.raises(ValueError, match="contiguous"):
+        sample(torch.randn(200, 3, device=device).t(), temps, seeds, steps)
+    with pytest.raises(ValueError, match="temperatures"):
+        sample(logits, temps[:2], seeds, steps)
+    with pytest.raises(ValueError, match="temperatures must be float32"):
+        sample(logits, temps.double(), seeds, steps)
+    with pytest.raises(ValueError, match="seeds"):
+        sample(logits, temps, seeds.float(), steps)
+    with pytest.raises(ValueError, match="steps"):
+        sample(logits, temps, seeds, steps[:, None])
+    with pytest.raises(ValueError, match="one device"):
+        sample(logits, temps, seeds, steps.to("meta"))
+    with pytest.raises(ValueError, match="out"):
+        sample(logits, temps, seeds, steps, out=torch.empty(3, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="empty vocabulary"):
+        sample(logits[:, :0], temps, seeds, steps)
+    with pytest.raises(ValueError, match="num_chunks"):
+        sample(logits, temps, seeds, steps, num_chunks=0)
+    assert sample(logits[:0], temps[:0], seeds[:0], steps[:0]).shape == (0,)
+
+
+def test_num_chunks_from_shapes():
+    V = 151936
+    n_tiles = -(-V // BLOCK)
+    for B in (1, 2, 8, 64, 256, 512):
+        nc = sample_num_chunks(B, V, "cpu")           # off CUDA: an H100/H200's 132 SMs
+        per = -(-n_tiles // nc)
+        assert 1 <= nc <= n_tiles and (nc - 1) * per < n_tiles  # no empty chunk
+        assert B * nc >= min(4 * 132, B * n_tiles)    # enough programs for the GPU
+        assert per * BLOCK <= 16 * 1024               # no program streams more than MAX_CHUNK
+    assert sample_num_chunks(4, 700, "cpu") == 1
+
+
+def test_package_exports(device):
+    assert "sample" in kernels.__all__
+    assert kernels.sample is sample
+    ops = kernels.TritonOps()
+    logits, temps, seeds, steps = _inputs(2, 300, seed=2, device=device)
+    assert ops.sample(logits, temps, seeds, steps).tolist() == sample_ref(logits, temps, seeds, steps).tolist()
