@@ -144,10 +144,11 @@ class ModelRunner:
         lens = [n // n_seqs] * n_seqs
         lens[-1] += n - sum(lens)
         torch.cuda.empty_cache()
-        overhead = self._warmup_forward(lens)
-        torch.cuda.empty_cache()
+        self._warmup_forward(lens)
+        # the activation memory of that pass stays reserved by torch's allocator (counted as used below), so
+        # real steps reuse it instead of allocating afresh
         free, total = torch.cuda.mem_get_info()
-        budget = total * cfg.args.gpu_memory_utilization - (total - free) - overhead
+        budget = total * cfg.args.gpu_memory_utilization - (total - free)
         return max(0, int(budget) // per_block)
 
     @torch.inference_mode()
@@ -273,10 +274,12 @@ class ModelRunner:
             if not S:
                 return PendingStep(sampled=None, rank=self.tp.rank)
             logits = self.model.compute_logits(hidden[v["last"]])              # (S, vocab) float32
-        if self.tp.rank != 0:
-            return PendingStep(sampled=None, rank=self.tp.rank)
+        # every rank has the full logits and sampling is a pure function of them and the seeds, so every rank
+        # samples the same ids: each keeps them on its device for the next step's placeholder inputs
         out = self.sampler(logits, self._sampling_from(v, batch.sampling))
         self.sampled_buf[:S].copy_(out.token_ids)
+        if self.tp.rank != 0:
+            return PendingStep(sampled=out.token_ids, rank=self.tp.rank)
         return PendingStep.start_copy(out, self.device)
 
     def execute(self, batch: StepBatch) -> StepResult | None:
