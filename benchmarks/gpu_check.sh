@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The whole GPU check-and-bench in one device call:  bash benchmarks/gpu_check.sh [steps...]
-# steps: env kernels kernel_tests parity bench06 profile06 bench8 (default: all but kernel_tests)
+# steps: env kernels kernel_tests parity bench06 bench06sync profile06 bench8 bench8tp2 online06
+# (default: env kernels parity bench06 profile06 bench8). online06 needs fastapi/uvicorn: carry .whl and
+# start the command with the wheel install from the device README.
 # Logs go to $OUT (or ./gpu_out); each step has its own time limit and a failure doesn't stop the rest.
 set -u
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
-export PYTHONPATH=. PYTHONUNBUFFERED=1
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 steps=${*:-"env kernels parity bench06 profile06 bench8"}
 run() {  # name, limit_s, command...
   local name=$1 limit=$2; shift 2
@@ -26,6 +28,7 @@ for s in $steps; do
     profile06) TAIL=60 run profile06 240 python3 benchmarks/profile_step.py --model benchmarks/models/qwen3-0.6b --load-format dummy ;;
     bench8) TAIL=40 run bench8 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-}" --step-log "$OUT/steps8.json" ;;
     bench8tp2) TAIL=40 run bench8tp2 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --tensor-parallel-size 2 --json "$OUT/bench.jsonl" --label "${LABEL:-} tp2" --step-log "$OUT/steps8tp2.json" ;;
+    online06) TAIL=40 run online06 400 python3 benchmarks/online_bench.py --model benchmarks/models/qwen3-0.6b --load-format dummy --max-model-len 4096 --rates "${RATES:-16,64,inf}" --output "$OUT/online06.json" ;;
     *) echo "unknown step $s" ;;
   esac
 done
