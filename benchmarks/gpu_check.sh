@@ -23,6 +23,7 @@ for s in $steps; do
     kernels) run kernels 240 python3 benchmarks/kernel_check.py ;;
     kernel_tests) run kernel_tests 400 python3 -m pytest tests/kernels -q -x ;;
     parity) run parity 240 python3 benchmarks/parity_bf16.py ;;
+    parity32) run parity32 240 python3 benchmarks/parity_bf16.py --dtype float32 --num-prompts 16 ;;
     bench06) TAIL=40 run bench06 300 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-0.6b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-}" --step-log "$OUT/steps06.json" ;;
     bench06sync) run bench06sync 300 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-0.6b --load-format dummy --no-async-scheduling --json "$OUT/bench.jsonl" --label "${LABEL:-} sync" ;;
     profile06) TAIL=60 run profile06 240 python3 benchmarks/profile_step.py --model benchmarks/models/qwen3-0.6b --load-format dummy ;;
