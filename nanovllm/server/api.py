@@ -252,6 +252,13 @@ class OpenAIServer:
             stream.close()
 
     # --- /v1/completions ---------------------------------------------------------------------------
+    async def _finals(self, request: Request, reqs) -> dict | None:
+        """Run non-streamed requests to the end: request id -> final output (None: the client went away)."""
+        try:
+            return await self.collect(request, self.engine.submit(reqs, stream=False))
+        except RequestAbortedError:
+            return None
+
     async def completions(self, request: Request):
         req: CompletionRequest = parse_body(await request.body(), CompletionRequest)
         model = self.check_model(req.model)
@@ -269,16 +276,13 @@ class OpenAIServer:
         if req.stream:
             return self._stream_response(request, reqs, lambda stream: self._stream_completions(
                 stream, reqs, index, base, model, created, n_prompt, req))
-        stream = self.engine.submit(reqs, stream=False)
-        try:
-            finals = await self.collect(request, stream)
-        except RequestAbortedError:
+        finals = await self._finals(request, reqs)
+        if finals is None:
             return Response(status_code=499)
         choices = []
-        completion_tokens = 0
+        completion_tokens = sum(len(out.token_ids) for out in finals.values())
         for rid, _ in reqs:
             out = finals[rid]
-            completion_tokens += len(out.token_ids)
             choices.append({
                 "index": index[rid], "text": out.text,
                 "logprobs": self.completion_logprobs(out.logprobs, as_ids) if req.logprobs is not None else None,
@@ -327,16 +331,13 @@ class OpenAIServer:
         if req.stream:
             return self._stream_response(request, reqs, lambda stream: self._stream_chat(
                 stream, reqs, index, base, model, created, len(ids), req))
-        stream = self.engine.submit(reqs, stream=False)
-        try:
-            finals = await self.collect(request, stream)
-        except RequestAbortedError:
+        finals = await self._finals(request, reqs)
+        if finals is None:
             return Response(status_code=499)
         choices = []
-        completion_tokens = 0
+        completion_tokens = sum(len(out.token_ids) for out in finals.values())
         for rid, _ in reqs:
             out = finals[rid]
-            completion_tokens += len(out.token_ids)
             choices.append({
                 "index": index[rid], "message": {"role": "assistant", "content": out.text},
                 "logprobs": {"content": self.chat_logprobs(out.logprobs, as_ids)} if req.logprobs else None,
