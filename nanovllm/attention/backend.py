@@ -3,6 +3,8 @@
 A backend receives one step's flat batch (see `torch_ref` for the layout) and must:
   * write this step's K/V into the paged cache at `slot_mapping` (slot -1: skip), then
   * return causal attention of the queries over each sequence's cached tokens.
+`forward` does both; `attend` only the second, for callers that already stored K/V (the fused
+QK-norm + RoPE + KV-store kernel).
 Everything in `AttentionMetadata` is a device tensor except `max_seqlen_q` and `is_decode`, which are
 host values fixed per captured CUDA graph, so a backend can run inside a graph with padded slots.
 """
@@ -44,6 +46,11 @@ class AttentionBackend(ABC):
             (T, H, D) attention output.
         """
 
+    @abstractmethod
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        """Attention only: this step's K/V are already in the cache. Same arguments / result as `forward`."""
+
 
 class TorchAttentionBackend(AttentionBackend):
     """Plain torch (runs anywhere); the reference for the Triton kernels."""
@@ -51,6 +58,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         store_kvcache_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k_cache, v_cache, meta, scale)
+
+    def attend(self, q, k_cache, v_cache, meta, scale):
         return paged_attention_ref(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
                                    scale, meta.max_seqlen_q)
 
@@ -67,6 +77,9 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         self.k.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k_cache, v_cache, meta, scale)
+
+    def attend(self, q, k_cache, v_cache, meta, scale):
         if meta.is_decode:
             return self.k.paged_decode_attention(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale)
         return self.k.paged_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,

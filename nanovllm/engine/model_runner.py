@@ -83,17 +83,19 @@ class ModelRunner:
         return model.eval().requires_grad_(False)
 
     def _install_fused_ops(self) -> None:
-        """Swap the torch reference ops for their Triton kernels (norms, RoPE, SiLU-and-mul)."""
+        """Swap the torch reference ops for their Triton kernels (norms, RoPE, SiLU-and-mul), and fuse each
+        attention layer's QK-norm + RoPE + KV-cache store into one kernel (the layer then only attends)."""
         from nanovllm import kernels
         from nanovllm.layers.layernorm import RMSNorm
         from nanovllm.layers.rotary import RotaryEmbedding
-        from nanovllm.models.decoder import DecoderMLP
+        from nanovllm.models.decoder import DecoderMLP, install_fused_qkv
         ops = kernels.TritonOps()
         for m in self.model.modules():
             if isinstance(m, (RMSNorm, RotaryEmbedding)):
                 m.fused = ops
             elif isinstance(m, DecoderMLP):
                 m.act = ops.silu_and_mul
+        install_fused_qkv(self.model, ops.qkv_norm_rope_store)
 
     def kv_bytes_per_block(self) -> int:
         m = self.config.model

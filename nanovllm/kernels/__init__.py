@@ -14,6 +14,9 @@ Public kernels (each mirrors a torch reference elsewhere in the package):
 * ``silu_and_mul(x)``                                                     -> (..., I)
 * ``apply_rotary(q, k, positions, cos_sin_cache)``                        -> (q_rot, k_rot) (in place by default)
 * ``sample(logits, temperatures, seeds, steps, out=None)``                -> (B,) int64 (Gumbel-max, no filters)
+* ``qkv_norm_rope_store(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps, k_cache, v_cache,
+  slot_mapping, num_heads, num_kv_heads, head_dim, q_out=None)``          -> (T, H, D) q; k/v into the cache
+  (QK-norm + RoPE + KV store in one launch; reference ``nanovllm.layers.fused_qkv_ref``)
 
 :class:`TritonOps` bundles them as methods so an instance can be assigned to a module's ``.fused`` attribute.
 """
@@ -25,7 +28,7 @@ import importlib.util
 __all__ = [
     "TritonOps", "triton_available",
     "store_kvcache", "paged_prefill_attention", "paged_decode_attention", "decode_workspace_numel",
-    "rms_norm", "add_rms_norm", "silu_and_mul", "apply_rotary", "sample",
+    "rms_norm", "add_rms_norm", "silu_and_mul", "apply_rotary", "sample", "qkv_norm_rope_store",
 ]
 
 # public name -> submodule that defines it
@@ -39,6 +42,7 @@ _LAZY = {
     "silu_and_mul": "activation",
     "apply_rotary": "rotary",
     "sample": "sampling",
+    "qkv_norm_rope_store": "fused_qkv",
 }
 
 _available: bool | None = None
@@ -90,6 +94,7 @@ class TritonOps:
         self._prefill = _load("paged_prefill_attention")
         self._decode = _load("paged_decode_attention")
         self._sample = _load("sample")
+        self._qkv_norm_rope_store = _load("qkv_norm_rope_store")
 
     def rms_norm(self, x, weight, eps):
         return self._rms_norm(x, weight, eps)
@@ -116,3 +121,9 @@ class TritonOps:
 
     def sample(self, logits, temperatures, seeds, steps, out=None):
         return self._sample(logits, temperatures, seeds, steps, out=out)
+
+    def qkv_norm_rope_store(self, qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps, k_cache,
+                            v_cache, slot_mapping, num_heads, num_kv_heads, head_dim, q_out=None):
+        return self._qkv_norm_rope_store(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps,
+                                         k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, head_dim,
+                                         q_out=q_out)

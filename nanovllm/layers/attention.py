@@ -23,3 +23,9 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)  # (T, H, D)
         return o.reshape(T, self.num_heads * self.head_dim)
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of q (T, H, D) over the cache, whose K/V for this step were already stored."""
+        T = q.shape[0]
+        o = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale)  # (T, H, D)
+        return o.reshape(T, self.num_heads * self.head_dim)

@@ -46,10 +46,20 @@ class DecoderAttention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # set by the model runner (see install_fused_qkv): fused QK-norm + RoPE + KV store with the signature of
+        # nanovllm.kernels.qkv_norm_rope_store; None = the unfused path below
+        self.fused_qkv = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)                                                   # (T, (H + 2Hkv) D)
+        if self.fused_qkv is not None:
+            qn, kn = self.q_norm, self.k_norm
+            q = self.fused_qkv(qkv, positions, self.rotary_emb.cos_sin_cache,
+                               None if qn is None else qn.weight, None if kn is None else kn.weight,
+                               0.0 if qn is None else qn.eps, self.attn.k_cache, self.attn.v_cache,
+                               meta.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim)  # (T, H, D)
+            return self.o_proj(self.attn.attend(q, meta))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(T, self.num_heads, self.head_dim)
         k = k.reshape(T, self.num_kv_heads, self.head_dim)
@@ -58,6 +68,19 @@ class DecoderAttention(nn.Module):
         q, k = self.rotary_emb(positions, q, k)
         o = self.attn(q, k, v.reshape(T, self.num_kv_heads, self.head_dim), meta)  # (T, H D)
         return self.o_proj(o)
+
+
+def install_fused_qkv(model: nn.Module, op) -> int:
+    """Set ``op`` (e.g. ``TritonOps().qkv_norm_rope_store``, or None to restore the unfused path) as the fused
+    QK-norm + RoPE + KV-store op of every DecoderAttention in ``model``; returns how many were set."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, DecoderAttention):
+            if op is not None and m.q_norm is not None and m.q_norm.eps != m.k_norm.eps:
+                raise ValueError("fused qkv op: q_norm and k_norm must share one eps")
+            m.fused_qkv = op
+            n += 1
+    return n
 
 
 class DecoderMLP(nn.Module):

@@ -31,7 +31,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from nanovllm.kernels import activation, attention, kvcache, norm, rotary  # noqa: E402
+from nanovllm.kernels import activation, attention, fused_qkv, kvcache, norm, rotary  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -57,7 +57,7 @@ def build(fn, types: dict, consts: dict, **options) -> None:
     t0 = time.time()
     k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=TARGET, options=options)
     shown = {a: b for a, b in consts.items() if a in ("G", "BLOCK_M", "BLOCK_N", "HEAD_DIM", "BLOCK_SIZE",
-                                                      "NUM_SPLITS", "BLOCK")}
+                                                      "NUM_SPLITS", "BLOCK", "H", "HKV", "HAS_NORM")}
     print(f"  {fn.__name__:24s} {shown} warps={options.get('num_warps')} smem={k.metadata.shared} "
           f"{_resources(k.asm['cubin'])} ({time.time() - t0:.1f}s)")
 
@@ -94,6 +94,14 @@ def check(dt: str) -> None:
     build(rotary._rotary_kernel, {"Q": f"*{dt}", "K": f"*{dt}", "QO": f"*{dt}", "KO": f"*{dt}", "POS": "*i64",
                                   "CS": "*fp32"},
           dict(HALF=64, HALF_PAD=64, BLOCK_H=32), num_warps=4)
+    # Qwen3-0.6B (16/8 heads), Llama-3-8B (32/8), an odd head_dim; with and without QK-norm
+    for H, Hkv, D, has_norm in [(16, 8, 128, True), (32, 8, 128, False), (12, 2, 80, True)]:
+        block_h, n_qb, _ = fused_qkv.launch_config(H, Hkv, D)
+        build(fused_qkv._qkv_norm_rope_store_kernel,
+              {"QKV": f"*{dt}", "POS": "*i64", "CS": "*fp32", "QW": f"*{dt}", "KW": f"*{dt}", "QO": f"*{dt}",
+               "KC": f"*{dt}", "VC": f"*{dt}", "SLOTS": "*i64", "eps": "fp32"},
+              dict(H=H, HKV=Hkv, HEAD_DIM=D, HALF=D // 2, HALF_PAD=triton.next_power_of_2(D // 2), BLOCK_H=block_h,
+                   NUM_QB=n_qb, BLOCK_SIZE=16, HAS_NORM=has_norm), num_warps=4)
 
 
 if __name__ == "__main__":
