@@ -125,11 +125,33 @@ def check_sampler(B=256, V=151936):
     report(f"sample B={B} V={V} (torch ref {ms_ref * 1e3:.0f} us)", mism, ms, logits.numel() * 4, tol=1e-9)
 
 
+def check_fused_qkv(T=256, H=16, Hkv=8, D=128, num_blocks=64, block_size=256, dtype=torch.bfloat16):
+    from nanovllm.layers.fused_qkv_ref import qkv_norm_rope_store_ref
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, device=dev, dtype=dtype)
+    pos = torch.randint(0, 4000, (T,), device=dev)
+    rope = RotaryEmbedding(D, 40960, 1e6).to(dev)
+    wq = 1 + 0.1 * torch.randn(D, device=dev, dtype=dtype)
+    wk = 1 + 0.1 * torch.randn(D, device=dev, dtype=dtype)
+    slots = torch.randperm(num_blocks * block_size, device=dev)[:T]
+    kc = torch.zeros(num_blocks, block_size, Hkv, D, device=dev, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    kr, vr = kc.float(), vc.float()
+    q_ref = qkv_norm_rope_store_ref(qkv.float(), pos, rope.cos_sin_cache, wq.float(), wk.float(), 1e-6, kr, vr,
+                                    slots, H, Hkv, D)
+    fn = lambda: kernels.qkv_norm_rope_store(qkv, pos, rope.cos_sin_cache, wq, wk, 1e-6, kc, vc, slots,  # noqa: E731
+                                             H, Hkv, D)
+    q = fn()
+    err = max(rel(q, q_ref), rel(kc, kr), rel(vc, vr))
+    ms = triton.testing.do_bench(fn, return_mode="median")
+    report(f"qkv_norm_rope_store T={T} H={H}/{Hkv}", err, ms, 2 * qkv.numel() * 2)
+
+
 def main():
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     check_sampler()
     check_sampler(B=4)
+    check_fused_qkv()
     check_small_ops()
     check_decode(256, 100, 2048)                      # the workload's decode shape (0.6B / 8B: 8 kv heads)
     check_decode(256, 100, 2048, H=32)                # 8B: 32 query heads
