@@ -231,9 +231,10 @@ class EngineConfig:
             from nanovllm.distributed import check_tp_supported
             check_tp_supported(args.tensor_parallel_size, mcfg, device)
         # schedule step N+1 while step N runs: pays off when the device runs asynchronously to the host
+        # (one rank, or tensor parallel: TPExecutor.launch keeps a step queued on every rank)
         async_sched = args.async_scheduling
         if async_sched is None:
-            async_sched = device.type == "cuda" and args.tensor_parallel_size == 1
+            async_sched = device.type == "cuda"
         return cls(args=args, model=mcfg, model_dir=model_dir, device=device, dtype=dtype,
                    max_model_len=max_model_len, max_num_batched_tokens=max_batched,
                    max_num_seqs=max_num_seqs, block_size=args.kvcache_block_size, attention_backend=backend,

@@ -11,10 +11,19 @@ itself, so there is no window in which another process could take it).
     TCPStore(127.0.0.1, port 0)   <-------  join the group (NCCL on CUDA, gloo on CPU)
                                             ModelRunner(config, TPGroup(r, size, WORLD))
     wait for Ready from every rank <------  Ready(num_kvcache_blocks)   (already MIN-agreed)
-    execute(batch):
-        pickle StepMsg once, send   ------> runner.execute(batch)  (collectives between the ranks)
-        wait for rank 0's Done     <------  Done(StepResult) from rank 0, Done(None) from the others
-        (the others' Done are collected before the next step is sent)
+    launch(batch) -> TPStep N:
+        pickle StepMsg(N) once, send -----> runner.launch(N, prev)   (queued on the device behind N-1)
+                                            wait for N-1, send Done(N-1)  (StepResult on rank 0, else None)
+    handle N-1 .result():
+        read Done(N-1)             <------
+    handle N .result() with no step N+1 sent:
+        send FlushMsg(N)           ------>  wait for N, send Done(N)
+    execute(batch) = launch with StepMsg.report (the ranks report at once) + result()
+
+The driver never has more than one report per rank outstanding before it sends a step: it reads every
+report that is due first (see `TPExecutor`), so neither side can block writing to the other for good,
+and results come back in step order. Rank 0's reports fill the handles; the others' are acknowledgements
+read along the way (they prove the rank is alive and in step).
 
 Failures: the driver waits on the pipes *and* the workers' process sentinels, so a worker that raises
 (its traceback comes back in a `Failed` message) or dies (killed, OOM) is seen at once; the driver then
@@ -33,7 +42,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait as mp_wait
 
 from nanovllm.config import EngineConfig
-from nanovllm.distributed.protocol import Done, Failed, Ready, ShutdownMsg, StepMsg, encode
+from nanovllm.distributed.protocol import Done, Failed, FlushMsg, Ready, ShutdownMsg, StepMsg, encode
 from nanovllm.distributed.worker import WorkerSpec, worker_main
 
 logger = logging.getLogger(__name__)
@@ -106,12 +115,45 @@ def _release(res: _Resources) -> None:
     res.store = None  # closes the rendezvous server socket
 
 
+_NO_RESULT = object()
+
+
+class TPStep:
+    """A step launched on every rank (what `TPExecutor.launch` returns). `result()` waits for rank 0's
+    StepResult of this step; results are read in step order, so waiting for step N also reads the reports
+    of the steps before it (each kept by its own handle)."""
+
+    __slots__ = ("_executor", "step", "_result", "__weakref__")
+
+    def __init__(self, executor: TPExecutor, step: int):
+        self._executor = executor
+        self.step = step
+        self._result = _NO_RESULT
+
+    def result(self):
+        if self._result is _NO_RESULT:
+            self._executor._wait_result(self)
+        return self._result
+
+    def __repr__(self) -> str:
+        state = "pending" if self._result is _NO_RESULT else "done"
+        return f"TPStep({self.step}, {state})"
+
+
 class TPExecutor:
     """Runs a ModelRunner per rank in worker processes; quacks like a ModelRunner for the engine:
-    `num_kvcache_blocks`, `execute(batch) -> StepResult`, `shutdown()`."""
+    `num_kvcache_blocks`, `launch(batch, prev) -> handle` (handle.result() -> StepResult),
+    `execute(batch) -> StepResult`, `shutdown()`.
+
+    Step bookkeeping (driver side): steps are numbered; `_sent` is the latest step sent to every rank,
+    `_acked[r]` the latest step whose Done rank r has sent (Dones come in step order), `_flushed[r]` the
+    latest step rank r was asked to report at once (StepMsg.report or FlushMsg). Rank r's Done for step k
+    is *due* (certain to come without another message) iff k < _sent or k <= _flushed[r]."""
 
     def __init__(self, config: EngineConfig, *, init_timeout: float | None = None,
-                 step_timeout: float | None = None):
+                 step_timeout: float | None = None, worker_fn=None):
+        """`worker_fn(spec, conn)`: what each worker process runs (default `worker_main`; the protocol
+        tests and benchmarks pass a stand-in that serves steps without a model)."""
         import torch.distributed as dist
 
         self.config = config
@@ -121,7 +163,11 @@ class TPExecutor:
         self.init_timeout = init_timeout if init_timeout is not None else _env_timeout("NANOVLLM_TP_INIT_TIMEOUT")
         self.step_timeout = step_timeout if step_timeout is not None else _env_timeout("NANOVLLM_TP_STEP_TIMEOUT")
         self._failure: str | None = None
-        self._pending: set[int] = set()   # ranks that owe a Done for the last step sent
+        self._sent = -1
+        self._acked = [-1] * self.size
+        self._flushed = [-1] * self.size
+        self._handles: weakref.WeakValueDictionary[int, TPStep] = weakref.WeakValueDictionary()
+        self._ready: dict[int, Ready] | None = {}   # filled while the workers start
         self._pids: list[int] = []
         self._res = _Resources()
         self._finalizer = weakref.finalize(self, _release, self._res)
@@ -133,15 +179,16 @@ class TPExecutor:
                 spec = WorkerSpec(config=config, rank=rank, size=self.size, store_host="127.0.0.1",
                                   store_port=port, parent_pid=os.getpid())
                 parent_end, child_end = ctx.Pipe(duplex=True)
-                proc = ctx.Process(target=worker_main, args=(spec, child_end), name=f"nanovllm-tp-rank{rank}",
-                                   daemon=True)
+                proc = ctx.Process(target=worker_fn or worker_main, args=(spec, child_end),
+                                   name=f"nanovllm-tp-rank{rank}", daemon=True)
                 self._res.procs.append(proc)
                 self._res.conns.append(parent_end)
                 proc.start()
                 child_end.close()  # the worker holds the only copy: its death closes the pipe
                 self._pids.append(proc.pid)
-            self._pending = set(range(self.size))
-            ready = self._collect(set(range(self.size)), Ready, self.init_timeout, "start-up")
+            self._pump(lambda: [r for r in range(self.size) if r not in self._ready], self.init_timeout,
+                       "start-up")
+            ready, self._ready = self._ready, None
             blocks = {m.num_kvcache_blocks for m in ready.values()}
             if len(blocks) != 1:
                 self._fail(f"ranks disagree on the KV cache size: "
@@ -165,77 +212,138 @@ class TPExecutor:
     def is_alive(self) -> bool:
         return self._failure is None and self._finalizer.alive
 
+    def launch(self, batch, prev: TPStep | None = None) -> TPStep:
+        """Send one step to every rank and return at once (the ranks launch it on their devices as soon as
+        it arrives, queued behind the step before it). Placeholder inputs are filled by each rank from the
+        ids it sampled in the latest step, so `prev` must be that step's handle."""
+        return self._launch(batch, prev, report=False)
+
     def execute(self, batch):
         """Run one step on every rank; returns rank 0's StepResult."""
-        self._check_usable()
-        if self._pending:  # the other ranks' acknowledgements of the previous step
-            self._collect(set(self._pending), Done, self.step_timeout, "the previous step")
-        data = encode(StepMsg(batch))
-        rank = 0
-        try:
-            for rank, conn in enumerate(self._res.conns):
-                conn.send_bytes(data)
-                self._pending.add(rank)
-        except OSError as e:
-            proc = self._res.procs[rank]
-            proc.join(0.5)
-            if not proc.is_alive():
-                self._fail(self._death(rank))
-            self._fail(f"could not send the step to rank {rank} (pid {self._pids[rank]}): {e}")
-        except BaseException:  # interrupted half-way: the ranks are out of step for good
-            self._failure = "interrupted while sending a step to the workers"
-            self._res.graceful = False
-            self.shutdown()
-            raise
-        return self._collect({0}, Done, self.step_timeout, "a step")[0].result
+        return self._launch(batch, None, report=True).result()
 
     def shutdown(self) -> None:
         """Stop the workers and release everything; idempotent (also runs at exit / garbage collection)."""
         self._finalizer()
 
     # --- internals ---------------------------------------------------------------------------------
+    @property
+    def _pending(self) -> set[int]:
+        """Ranks that owe a Done for a step sent."""
+        return {r for r in range(self.size) if self._acked[r] < self._sent}
+
     def _check_usable(self) -> None:
         if self._failure is not None:
             raise RuntimeError(f"the tensor-parallel executor has failed and was shut down: {self._failure}")
         if not self._finalizer.alive:
             raise RuntimeError("the tensor-parallel executor has been shut down")
 
-    def _collect(self, need: set[int], kind: type, timeout: float | None, what: str) -> dict[int, object]:
-        """Wait until every rank in `need` has sent its `kind` reply; meanwhile read whatever any rank
-        that owes a reply sends, and watch every worker's process sentinel. Returns {rank: message}."""
+    def _launch(self, batch, prev, report: bool) -> TPStep:
+        self._check_usable()
+        if batch.placeholder_pos and isinstance(prev, TPStep) and (prev._executor is not self
+                                                                   or prev.step != self._sent):
+            raise ValueError(f"placeholder inputs read the latest launched step ({self._sent}), "
+                             f"but prev is step {prev.step}")
+        # every report due before this step goes out: then no rank can be blocked writing to the driver
+        # while the driver writes this step to it, and each pipe holds at most a step's worth of messages
+        self._pump(self._due_late, self.step_timeout, "the previous step")
+        step = self._sent + 1
+        self._send_all(encode(StepMsg(batch, step, report)), range(self.size), "a step")
+        self._sent = step
+        if report:
+            self._flushed = [step] * self.size
+        handle = TPStep(self, step)
+        self._handles[step] = handle
+        return handle
+
+    def _due_late(self) -> list[int]:
+        """Ranks whose due reports have not all been read yet."""
+        before = self._sent - 1
+        return [r for r in range(self.size) if self._acked[r] < max(before, self._flushed[r])]
+
+    def _wait_result(self, handle: TPStep) -> None:
+        self._check_usable()
+        k = handle.step
+        if self._acked[0] < k:
+            if k == self._sent:  # no later step was sent: ask for this one (every rank, so all stay alike)
+                late = [r for r in range(self.size) if self._flushed[r] < k]
+                if late:
+                    self._send_all(encode(FlushMsg(k)), late, "a flush request")
+                    for r in late:
+                        self._flushed[r] = k
+            self._pump(lambda: [0] if self._acked[0] < k else [], self.step_timeout, "a step")
+        if handle._result is _NO_RESULT:
+            raise RuntimeError(f"tensor-parallel step {k}'s result was lost (handle of another executor?)")
+
+    def _send_all(self, data: bytes, ranks, what: str) -> None:
+        rank = -1
+        try:
+            for rank in ranks:
+                self._res.conns[rank].send_bytes(data)
+        except OSError as e:
+            proc = self._res.procs[rank]
+            proc.join(0.5)
+            if not proc.is_alive():
+                self._fail(self._death(rank))
+            self._fail(f"could not send {what} to rank {rank} (pid {self._pids[rank]}): {e}")
+        except BaseException:  # interrupted half-way: the ranks are out of step for good
+            self._failure = f"interrupted while sending {what} to the workers"
+            self._res.graceful = False
+            self.shutdown()
+            raise
+
+    def _pump(self, late, timeout: float | None, what: str) -> None:
+        """Read the workers' messages until `late()` (the ranks still awaited) is empty, watching every
+        worker's pipe and process sentinel: a report is filed (`_on_message`), a failure or death raises."""
+        waiting = late()
+        if not waiting:
+            return
         res = self._res
-        got: dict[int, object] = {}
         deadline = None if timeout is None else time.monotonic() + timeout
+        conns = {c: r for r, c in enumerate(res.conns)}
         sentinels = {p.sentinel: r for r, p in enumerate(res.procs)}
-        while need & self._pending:
-            conns = {res.conns[r]: r for r in self._pending}
+        objs = list(conns) + list(sentinels)
+        while waiting:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready = mp_wait(list(conns) + list(sentinels), timeout=left)
+            ready = mp_wait(objs, timeout=left)
             if not ready:
-                late = sorted(need & self._pending)
-                self._fail(f"timed out after {timeout:g}s waiting for rank(s) {late} to finish {what} "
+                self._fail(f"timed out after {timeout:g}s waiting for rank(s) {waiting} to finish {what} "
                            f"(set NANOVLLM_TP_STEP_TIMEOUT / NANOVLLM_TP_INIT_TIMEOUT to wait longer)")
             for obj in ready:  # the pipes first: a worker's last words come before its death
                 if obj in conns:
                     r = conns[obj]
-                    msg = self._recv(r)
-                    if isinstance(msg, Failed):
-                        self._fail_with(msg)
-                    if not isinstance(msg, kind) or msg.rank != r:
-                        self._fail(f"rank {r} sent an unexpected {type(msg).__name__} while the driver "
-                                   f"waited for {kind.__name__}")
-                    got[r] = msg
-                    self._pending.discard(r)
+                    self._on_message(r, self._recv(r))
             for obj in ready:
                 if obj in sentinels:
                     r = sentinels[obj]
                     conn = res.conns[r]
-                    if r in self._pending and conn.poll(0):
-                        msg = self._recv(r)
-                        if isinstance(msg, Failed):
-                            self._fail_with(msg)
+                    while conn.poll(0):
+                        try:
+                            msg = conn.recv()
+                        except (EOFError, OSError):
+                            break
+                        self._on_message(r, msg)
                     self._fail(self._death(r))
-        return got
+            waiting = late()
+
+    def _on_message(self, r: int, msg) -> None:
+        if isinstance(msg, Failed):
+            self._fail_with(msg)
+        if isinstance(msg, Done) and msg.rank == r and msg.step == self._acked[r] + 1 and msg.step <= self._sent:
+            self._acked[r] = msg.step
+            if r == 0:
+                handle = self._handles.pop(msg.step, None)
+                if handle is not None:  # else: nobody holds the step any more (e.g. after Ctrl-C)
+                    handle._result = msg.result
+            return
+        if isinstance(msg, Ready) and self._ready is not None and msg.rank == r and r not in self._ready:
+            self._ready[r] = msg
+            return
+        if isinstance(msg, Done):
+            what = f"Done for step {msg.step} (rank {msg.rank}) while it owed step {self._acked[r] + 1}"
+        else:
+            what = type(msg).__name__
+        self._fail(f"rank {r} sent an unexpected {what} (protocol error)")
 
     def _recv(self, r: int):
         try:

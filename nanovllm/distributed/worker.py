@@ -4,7 +4,15 @@
         join the process group (rendezvous on the driver's TCPStore, or env:// when launched by torchrun)
         runner = ModelRunner(config, TPGroup(rank, size, group))     # agrees the KV block count (MIN)
         send Ready(num_kvcache_blocks)
-        loop: StepMsg -> runner.execute -> send Done(result)   |   ShutdownMsg / driver gone -> exit
+        serve_steps(conn, rank, runner): the step loop (below)   |   ShutdownMsg / driver gone -> exit
+
+The step loop keeps one step "in flight": StepMsg N+1 -> runner.launch(N+1, prev) (queued on the GPU
+behind step N), then wait for step N and send Done(N). So the device always has the next step queued
+while this rank waits for, and reports, the previous one; the driver reads Done(N) while step N+1 runs.
+`StepMsg(report=True)` (synchronous use) and `FlushMsg(N)` (the driver wants step N and has no step N+1
+to send) report at once. A step N already done when the next message arrives (always on CPU, where the
+launch *is* the computation; on a GPU when the host, not the device, is the bottleneck) is reported
+before that message is even unpickled: the driver works on step N's tokens while the ranks launch N+1.
 
 Anything raised is sent back as `Failed` (with the traceback text) before the process exits with code 1.
 """
@@ -20,7 +28,17 @@ import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 
-from nanovllm.distributed.protocol import Done, Failed, Ready, ShutdownMsg, StepMsg, decode_driver_message
+from nanovllm.distributed.protocol import (
+    KIND_SHUTDOWN,
+    Done,
+    Failed,
+    FlushMsg,
+    Ready,
+    ShutdownMsg,
+    StepMsg,
+    decode_driver_message,
+    message_kind,
+)
 
 # how long a rank waits for the others to join the group / for one collective (NCCL/gloo timeout)
 _PG_TIMEOUT = timedelta(seconds=float(os.environ.get("NANOVLLM_TP_PG_TIMEOUT", "600")))
@@ -104,6 +122,71 @@ def _destroy_process_group() -> None:
         pass
 
 
+def _finished(pending) -> bool:
+    """Whether a launched step is known to be done on the device (its result can be read at once)."""
+    event = getattr(pending, "event", None)
+    return event is not None and event.query()
+
+
+class ProtocolError(RuntimeError):
+    """The driver sent something out of order (a bug): reported to the driver as a failure."""
+
+
+def serve_steps(conn, rank: int, runner, *, report_first: bool = False) -> bool:
+    """Run steps from `conn` until ShutdownMsg (returns True) or EOF (the driver is gone: False).
+
+    `runner` needs `launch(batch, prev) -> pending` with `pending.result()` (a ModelRunner, or a stand-in
+    in the protocol tests and benchmarks). Raises ProtocolError if the driver's messages are out of order.
+
+    `report_first`: report a finished step as soon as the next message arrives, before unpickling and
+    launching it (CPU, where `launch` computes the whole step). Otherwise launch first, then wait for and
+    report the previous step, unless (rank 0) the previous step is already done on the device: then the
+    host, not the device, is the bottleneck, and the driver gets its tokens an unpickle + launch earlier."""
+    last = None            # the latest launched step: the next launch's `prev`
+    unreported = None      # (step id, pending) launched and not reported yet
+    reported = -1          # the latest step reported
+    expect = 0             # the next step id
+
+    def report() -> None:
+        nonlocal unreported, reported
+        step, pending = unreported
+        conn.send(Done(rank, step, pending.result()))
+        unreported, reported = None, step
+
+    while True:
+        try:
+            data = conn.recv_bytes()
+        except (EOFError, OSError):
+            return False  # the driver is gone
+        kind = message_kind(data)
+        if unreported is not None and kind != KIND_SHUTDOWN and (
+                report_first or (rank == 0 and _finished(unreported[1]))):
+            report()  # already done: the driver goes on with it while this rank unpickles and launches
+        msg = decode_driver_message(data)
+        if isinstance(msg, StepMsg):
+            if msg.step != expect:
+                raise ProtocolError(f"got step {msg.step}, expected step {expect}")
+            expect += 1
+            launched = runner.launch(msg.batch, last)
+            last = launched
+            if unreported is not None:
+                report()  # waits for the previous step while this one is queued behind it
+            unreported = (msg.step, launched)
+            if msg.report:
+                report()
+        elif isinstance(msg, FlushMsg):
+            if unreported is not None and unreported[0] == msg.step:
+                report()
+            elif not (unreported is None and reported == msg.step):
+                have = None if unreported is None else unreported[0]
+                raise ProtocolError(f"asked to report step {msg.step}, but the unreported step is {have}")
+        else:
+            assert isinstance(msg, ShutdownMsg)
+            if unreported is not None:
+                unreported[1].result()  # let it finish before the process group goes away
+            return True
+
+
 def worker_main(spec: WorkerSpec, conn) -> None:
     """Entry point of a spawned worker process."""
     # Ctrl-C reaches the whole foreground process group; the driver handles it and shuts us down.
@@ -117,16 +200,10 @@ def worker_main(spec: WorkerSpec, conn) -> None:
         timings = {k: float(getattr(runner, k)) for k in _TIMINGS if isinstance(getattr(runner, k, None), (int, float))}
         conn.send(Ready(rank, os.getpid(), runner.num_kvcache_blocks, timings))
         in_init = False
-        while True:
-            try:
-                data = conn.recv_bytes()
-            except (EOFError, OSError):
-                break  # the driver is gone
-            msg = decode_driver_message(data)
-            if isinstance(msg, ShutdownMsg):
-                break
-            assert isinstance(msg, StepMsg)
-            conn.send(Done(rank, runner.execute(msg.batch)))
+        cuda = spec.config.device.type == "cuda"
+        if serve_steps(conn, rank, runner, report_first=not cuda) and cuda:
+            import torch
+            torch.cuda.synchronize()  # nothing of ours still running when the group is destroyed
     except BaseException as e:  # noqa: BLE001 - reported to the driver, then exit non-zero
         code = 1
         try:
