@@ -30,7 +30,7 @@ class RequestOutput:
     """A request's progress after a step (emitted every step for streamed requests, else once at the end)."""
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]               # all output tokens so far
+    token_ids: list[int]               # all output tokens (filled once finished; streamed: new_token_ids)
     new_token_ids: list[int]           # produced by this step
     text: str                          # output text so far (final text once finished)
     new_text: str                      # text produced by this step (streamed requests)
@@ -279,8 +279,9 @@ class LLMEngine:
         return None
 
     def _make_output(self, seq: Sequence, now: float) -> RequestOutput:
-        out_ids = seq.output_token_ids
-        new_ids = out_ids[seq.num_emitted:]
+        new_ids = seq.token_ids[seq.num_prompt_tokens + seq.num_emitted:]
+        # the whole output list only at the end: copying it every step of every stream is O(length)
+        out_ids = seq.output_token_ids if seq.is_finished else []
         if seq.detok is not None:
             text = seq.detok.text
         elif seq.is_finished and self.tokenizer is not None:
@@ -289,7 +290,7 @@ class LLMEngine:
             text = ""
         new_text = text[len(seq.text):] if seq.stream else ""
         new_lp = seq.logprobs[seq.num_emitted:] if seq.logprobs is not None else None
-        seq.num_emitted = len(out_ids)
+        seq.num_emitted += len(new_ids)
         seq.text = text
         metrics = {"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time, "now": now,
                    "num_preemptions": seq.num_preemptions}

@@ -28,6 +28,7 @@ class Sequence:
         self.seq_id = seq_id
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)
+        self._prompt: list[int] = list(prompt_token_ids)  # read-only copy, handed out without copying
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.max_tokens = max_tokens          # resolved: never past max_model_len
@@ -63,7 +64,7 @@ class Sequence:
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[:self.num_prompt_tokens]
+        return self._prompt
 
     @property
     def output_token_ids(self) -> list[int]:

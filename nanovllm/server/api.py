@@ -103,7 +103,7 @@ class _ChoiceState:
 
     def delta(self, out, decode) -> str:
         self.acc += out.new_text
-        self.num_tokens = len(out.token_ids)
+        self.num_tokens = len(out.token_ids) if out.finished else self.num_tokens + len(out.new_token_ids)
         if out.finished:
             self.finished = True
             if self.params.stop_strings:
