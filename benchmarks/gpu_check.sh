@@ -30,6 +30,8 @@ for s in $steps; do
     bench8) TAIL=40 run bench8 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-}" --step-log "$OUT/steps8.json" ;;
     bench8tp2) TAIL=40 run bench8tp2 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --tensor-parallel-size 2 --json "$OUT/bench.jsonl" --label "${LABEL:-} tp2" --step-log "$OUT/steps8tp2.json" ;;
     online06) TAIL=40 run online06 400 python3 benchmarks/online_bench.py --model benchmarks/models/qwen3-0.6b --load-format dummy --max-model-len 4096 --rates "${RATES:-16,64,inf}" --output "$OUT/online06.json" ;;
+    sweep) TAIL=40 run sweep 300 python3 benchmarks/decode_sweep.py --out "$OUT/best_decode.txt" ;;
+    bench06best) TAIL=20 NANOVLLM_DECODE_ATTN=$(cat "$OUT/best_decode.txt") run bench06best 300 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-0.6b --load-format dummy --json "$OUT/bench.jsonl" --label "decode cfg $(cat "$OUT/best_decode.txt")" ;;
     *) echo "unknown step $s" ;;
   esac
 done

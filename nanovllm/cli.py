@@ -23,6 +23,7 @@ _HELP = {
     "tensor_parallel_size": "GPUs (or CPU processes) to shard the model over",
     "seed": "engine seed for unseeded sampling",
     "attention_backend": "'auto', 'torch' or 'triton'",
+    "async_scheduling": "schedule step N+1 while step N runs (default: on with CUDA)",
     "tokenizer": "tokenizer directory (default: the model's)",
 }
 
@@ -35,7 +36,7 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("m
             continue
         flag = "--" + f.name.replace("_", "-")
         default = f.default
-        if isinstance(default, bool):
+        if isinstance(default, bool) or "bool" in str(f.type):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=_HELP.get(f.name))
         else:
             typ = {int: int, float: float}.get(type(default), str)

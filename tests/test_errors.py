@@ -116,3 +116,10 @@ def test_missing_weights(tiny_ckpt, tmp_path):
 def test_cli_reports_errors(tmp_path, capsys):
     assert cli_main(["generate", "--model", str(tmp_path / "missing"), "--quiet"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_cli_engine_flags():
+    from nanovllm.cli import build_parser, engine_kwargs
+    ns = build_parser().parse_args(["generate", "--no-async-scheduling", "--enforce-eager", "--max-model-len", "64"])
+    assert engine_kwargs(ns) == {"async_scheduling": False, "enforce_eager": True, "max_model_len": 64}
+    assert engine_kwargs(build_parser().parse_args(["generate"])) == {}

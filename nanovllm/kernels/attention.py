@@ -361,6 +361,16 @@ def _decode_block_n(D: int, dtype=torch.bfloat16) -> int:
     return 64 if D <= 128 and dtype != torch.float32 else 32
 
 
+def _decode_launch(D: int, dtype) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the decode kernel. NANOVLLM_DECODE_ATTN="BLOCK_N,WARPS,STAGES"
+    overrides it (for tuning sweeps: benchmarks/decode_sweep.py)."""
+    env = os.environ.get("NANOVLLM_DECODE_ATTN")
+    if env:
+        bn, w, st = (int(x) for x in env.split(","))
+        return bn, w, st
+    return _decode_block_n(D, dtype), 4, 2
+
+
 def decode_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
                       device: torch.device | None = None) -> int:
     """KV splits for the decode kernel, from static shapes only (safe for CUDA-graph capture).
@@ -411,10 +421,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"{fn}: num_splits must be >= 1, got {num_splits}")
     G = H // Hkv
     BLOCK_G = max(16, next_pow2(G))  # tl.dot needs M >= 16; padded rows are masked
-    BLOCK_N = _decode_block_n(D, q.dtype)
+    BLOCK_N, warps, stages = _decode_launch(D, q.dtype)
     prec = _dot_precision(q.dtype)
     common = dict(G=G, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, HEAD_DIM=D, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
-                  PREC=prec, UPCAST=_upcast_dots(q.dtype), num_warps=4, num_stages=2)
+                  PREC=prec, UPCAST=_upcast_dots(q.dtype), num_warps=warps, num_stages=stages)
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
     qk_scale = float(scale) * _LOG2E

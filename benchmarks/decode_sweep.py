@@ -1,0 +1,79 @@
+"""Sweep the decode-attention kernel's launch config at the workload's shapes (needs CUDA).
+
+    python benchmarks/decode_sweep.py [--out best.txt]
+
+Times (BLOCK_N, num_warps, num_stages) variants on bf16 paged decode at 256 x ctx 100-2048 and 64 x ctx
+500-1500 (Qwen3: 16 or 32 query heads, 8 KV heads, head_dim 128, 256-token blocks), checks each against
+the torch reference, prints GB/s and writes the best config as "BLOCK_N,WARPS,STAGES".
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import random
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from nanovllm.attention.torch_ref import paged_attention_ref  # noqa: E402
+from nanovllm.kernels.attention import paged_decode_attention  # noqa: E402
+
+
+def case(B, lo, hi, H, Hkv=8, D=128, bs=256, dev="cuda"):
+    rng = random.Random(B + hi)
+    lens = [rng.randint(lo, hi) for _ in range(B)]
+    nb = [-(-n // bs) for n in lens]
+    perm = torch.randperm(sum(nb) + 4).tolist()
+    tables, i = [], 0
+    for n in nb:
+        tables.append(perm[i:i + n] + [0] * (max(nb) - n))
+        i += n
+    k = torch.randn(sum(nb) + 4, bs, Hkv, D, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    q = torch.randn(B, H, D, device=dev, dtype=torch.bfloat16)
+    sl = torch.tensor(lens, dtype=torch.int32, device=dev)
+    bt = torch.tensor(tables, dtype=torch.int32, device=dev)
+    ref = paged_attention_ref(q.float(), k.float(), v.float(), torch.arange(B + 1, dtype=torch.int32, device=dev),
+                              sl, bt, D ** -0.5, 1)
+    return q, k, v, sl, bt, ref, sum(lens) * Hkv * D * 2 * 2
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ns = ap.parse_args()
+    cases = [case(256, 100, 2048, 16), case(256, 100, 2048, 32), case(64, 500, 1500, 16)]
+    results = []
+    for bn, w, st in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
+        os.environ["NANOVLLM_DECODE_ATTN"] = f"{bn},{w},{st}"
+        try:
+            tot_ms, ok = 0.0, True
+            gbs = []
+            for q, k, v, sl, bt, ref, nbytes in cases:
+                fn = lambda: paged_decode_attention(q, k, v, sl, bt, q.shape[-1] ** -0.5)  # noqa: E731
+                out = fn()
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                ok &= err < 1e-2
+                ms = triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+                tot_ms += ms
+                gbs.append(nbytes / ms / 1e6)
+        except Exception as e:  # noqa: BLE001 - a config that does not compile or run
+            print(f"BLOCK_N={bn:3d} warps={w} stages={st}: failed ({type(e).__name__})", flush=True)
+            continue
+        results.append((tot_ms, bn, w, st, ok, gbs))
+        print(f"BLOCK_N={bn:3d} warps={w} stages={st}: {' '.join(f'{g:7.0f}' for g in gbs)} GB/s "
+              f"total {tot_ms * 1e3:7.1f} us {'ok' if ok else 'WRONG'}", flush=True)
+    os.environ.pop("NANOVLLM_DECODE_ATTN", None)
+    best = min((r for r in results if r[4]), key=lambda r: r[0])
+    print(f"best: BLOCK_N={best[1]} warps={best[2]} stages={best[3]} ({best[0] * 1e3:.1f} us total)")
+    if ns.out:
+        with open(ns.out, "w") as f:
+            f.write(f"{best[1]},{best[2]},{best[3]}")
+
+
+if __name__ == "__main__":
+    main()
