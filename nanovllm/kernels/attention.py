@@ -368,6 +368,8 @@ def _decode_launch(D: int, dtype) -> tuple[int, int, int]:
     if env:
         bn, w, st = (int(x) for x in env.split(","))
         return bn, w, st
+    if D <= 128 and dtype != torch.float32:
+        return 128, 4, 3  # best of a sweep on an H200 (benchmarks/decode_sweep.py, benchmarks/RESULTS.md)
     return _decode_block_n(D, dtype), 4, 2
 
 

@@ -248,7 +248,7 @@ def _sample_chunk_kernel(
         tl.store(PART_I + row * nc + chunk, idx)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])
 def _sample_reduce_kernel(PART_V, PART_I, OUT, num_chunks, stride_out, BLOCK_C: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_C)
@@ -342,5 +342,5 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor
     )
     if not single:
         _sample_reduce_kernel[(B,)](part_v, part_i, out, num_chunks, out.stride(0),
-                                    BLOCK_C=next_pow2(num_chunks), num_warps=1)
+                                    BLOCK_C=next_pow2(triton.cdiv(V, BLOCK)), num_warps=1)  # one variant per V
     return out
