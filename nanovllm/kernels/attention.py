@@ -54,7 +54,9 @@ def _kv_rows(bt_row, n0, offs_n, n_limit, stride_kb, stride_ks,
 # prefill / mixed batch
 # ----------------------------------------------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["num_seqs"])
+# num_seqs and the block-table row stride change from step to step: specializing on them (divisible by 16, or
+# 1) would compile new variants mid-run (seen on an H200: ~1 s stalls in the first steps of a benchmark)
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _prefill_kernel(
     Q, K, V, Out, CU, SEQ_LENS, BT, qk_scale, num_seqs,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -152,7 +154,7 @@ def _prefill_kernel(
 # decode (one query per sequence), optionally split along the KV length
 # ----------------------------------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     Q, K, V, Out, PART_O, PART_LSE, SEQ_LENS, BT, qk_scale,
     stride_qb, stride_qh, stride_ob, stride_oh,
