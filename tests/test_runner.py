@@ -8,7 +8,7 @@ def test_warmup_forward_runs_on_cpu(tiny_ckpt):
     """The profiling pass used to size the KV cache on CUDA (throwaway cache, logits and sampling)."""
     llm = LLM(tiny_ckpt("qwen3"), device="cpu", kvcache_block_size=16, max_num_batched_tokens=100)
     runner = llm.engine.runner
-    assert runner._warmup_forward([60, 30, 10]) == 0
+    runner._warmup_forward([60, 30, 10])
     # the real cache is untouched and generation still works
     out = llm.generate([[1, 2, 3]], use_tqdm=False)
     assert len(out[0]["token_ids"]) == 16

@@ -47,9 +47,6 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - t0
         self.backend = get_attention_backend(config.attention_backend)
         self.sampler = Sampler()
-        if self.device.type == "cuda" and config.attention_backend == "triton":
-            from nanovllm import kernels
-            self.sampler.fused_sample = kernels.sample
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         if config.attention_backend == "triton" and self.device.type == "cuda":
             self._install_fused_ops()
@@ -83,8 +80,8 @@ class ModelRunner:
         return model.eval().requires_grad_(False)
 
     def _install_fused_ops(self) -> None:
-        """Swap the torch reference ops for their Triton kernels (norms, RoPE, SiLU-and-mul), and fuse each
-        attention layer's QK-norm + RoPE + KV-cache store into one kernel (the layer then only attends)."""
+        """Swap the torch reference ops for their Triton kernels (norms, RoPE, SiLU-and-mul, sampling), and fuse
+        each attention layer's QK-norm + RoPE + KV-cache store into one kernel (the layer then only attends)."""
         from nanovllm import kernels
         from nanovllm.layers.layernorm import RMSNorm
         from nanovllm.layers.rotary import RotaryEmbedding
@@ -96,6 +93,7 @@ class ModelRunner:
             elif isinstance(m, DecoderMLP):
                 m.act = ops.silu_and_mul
         install_fused_qkv(self.model, ops.qkv_norm_rope_store)
+        self.sampler.fused_sample = ops.sample
 
     def kv_bytes_per_block(self) -> int:
         m = self.config.model
@@ -154,10 +152,9 @@ class ModelRunner:
         return max(0, int(budget) // per_block)
 
     @torch.inference_mode()
-    def _warmup_forward(self, lens: list[int]) -> int:
-        """One forward (and logits for every sequence) over a throwaway KV cache just big enough.
-
-        Returns the activation memory it took above what was allocated before it (bytes)."""
+    def _warmup_forward(self, lens: list[int]) -> None:
+        """One forward, logits and sampling for sequences of these lengths over a throwaway KV cache (sizes
+        the activation memory; compiles the kernels those shapes need)."""
         bs = self.block_size
         blocks = [-(-n // bs) for n in lens]
         a = self.attn_layers[0]
@@ -182,10 +179,6 @@ class ModelRunner:
             max_seqlen_q=max(lens), is_decode=False)
         ids = torch.zeros(sum(lens), dtype=torch.int64, device=dev)
         pos = torch.cat([torch.arange(n, device=dev) for n in lens])
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
         hidden = self.model(ids, pos, meta)
         logits = self.model.compute_logits(hidden[torch.tensor(cu[1:], device=dev) - 1])
         self.sampler(logits, self._sampling_tensors(SamplingBatch(
@@ -194,10 +187,8 @@ class ModelRunner:
             logprobs=[None] * len(lens))))
         for layer, (k, v) in zip(self.attn_layers, saved):
             layer.k_cache, layer.v_cache = k, v
-        if dev.type != "cuda":
-            return 0
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
 
     # --- CUDA graphs (decode) -----------------------------------------------------------------------
     @torch.inference_mode()
