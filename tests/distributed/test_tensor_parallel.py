@@ -180,7 +180,7 @@ def test_tp4_replicated_kv_heads_and_clean_shutdown(tiny_ckpt):
         t0 = time.monotonic()
         llm.shutdown()
         llm.shutdown()  # idempotent
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 20
     _assert_workers_gone(pids)
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -197,7 +197,7 @@ def test_killed_worker_raises_fast(tiny_ckpt):
         t0 = time.monotonic()
         with pytest.raises(RuntimeError, match=r"rank 1 .*died unexpectedly \(killed by signal SIGKILL\)"):
             llm.generate(_prompts(5, (6, 3)), GREEDY, use_tqdm=False)
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 15  # "within seconds", with room for a loaded 2-core CI machine
         assert not runner.is_alive
         _assert_workers_gone(pids)  # the executor killed the surviving rank and reaped both
         with pytest.raises(RuntimeError, match="has failed"):
@@ -221,7 +221,7 @@ def test_worker_exception_carries_traceback(tiny_ckpt):
         t0 = time.monotonic()
         with pytest.raises(RuntimeError) as info:
             runner.execute(bad)
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 15  # "within seconds", with room for a loaded 2-core CI machine
         msg = str(info.value)
         assert "tensor-parallel worker rank" in msg and "raised" in msg
         assert "Traceback (most recent call last)" in msg and "worker.py" in msg
