@@ -18,11 +18,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+from workload import offline_workload  # noqa: E402
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.cli import add_engine_args, engine_kwargs  # noqa: E402
 from nanovllm.engine import llm_engine as le  # noqa: E402
-from workload import offline_workload  # noqa: E402
 
 
 def model_bytes(m, itemsize: int) -> int:

@@ -1,3 +1,5 @@
-from nanovllm.cli import main
 import sys
+
+from nanovllm.cli import main
+
 sys.exit(main())

@@ -40,7 +40,7 @@ class EngineArgs:
     async_scheduling: bool | None = None
 
     @classmethod
-    def from_kwargs(cls, model: str, **kwargs) -> "EngineArgs":
+    def from_kwargs(cls, model: str, **kwargs) -> EngineArgs:
         """Build from keyword arguments; an unknown name is a TypeError that names it."""
         names = {f.name for f in dataclasses.fields(cls)} - {"model"}
         unknown = sorted(set(kwargs) - names)
@@ -113,7 +113,7 @@ class ModelConfig:
     raw: dict = field(repr=False, compare=False, default_factory=dict)
 
     @classmethod
-    def from_dir(cls, model_dir: str) -> "ModelConfig":
+    def from_dir(cls, model_dir: str) -> ModelConfig:
         path = os.path.join(model_dir, "config.json")
         if not os.path.isfile(path):
             raise ValueError(f"model directory {model_dir!r} has no config.json")
@@ -122,7 +122,7 @@ class ModelConfig:
         return cls.from_dict(cfg, source=path)
 
     @classmethod
-    def from_dict(cls, cfg: dict, source: str = "config") -> "ModelConfig":
+    def from_dict(cls, cfg: dict, source: str = "config") -> ModelConfig:
         archs = cfg.get("architectures") or []
         if not archs:
             raise ValueError(f"{source} lists no 'architectures'")
@@ -184,7 +184,7 @@ class EngineConfig:
     async_scheduling: bool
 
     @classmethod
-    def resolve(cls, args: EngineArgs) -> "EngineConfig":
+    def resolve(cls, args: EngineArgs) -> EngineConfig:
         model_dir = os.fspath(args.model)
         if not os.path.isdir(model_dir):
             raise ValueError(f"model directory {model_dir!r} does not exist")

@@ -19,7 +19,7 @@ from nanovllm.engine.batch import build_step_batch
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, find_stop
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

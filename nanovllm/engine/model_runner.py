@@ -244,7 +244,7 @@ class ModelRunner:
             need_min_p=any(p > 0.0 for p in sb.min_ps), max_logprobs=max(asked) if asked else None)
 
     @torch.inference_mode()
-    def launch(self, batch: StepBatch, prev: "PendingStep | None" = None) -> "PendingStep":
+    def launch(self, batch: StepBatch, prev: PendingStep | None = None) -> PendingStep:
         """Enqueue one step on the device and return at once; `.result()` waits for the sampled ids.
 
         Placeholder inputs (async scheduling) read the previous step's sampled ids, which stay on the device
@@ -290,7 +290,7 @@ class PendingStep:
         self.event = event
 
     @classmethod
-    def start_copy(cls, out: SamplerOutput, device: torch.device) -> "PendingStep":
+    def start_copy(cls, out: SamplerOutput, device: torch.device) -> PendingStep:
         cuda = device.type == "cuda"
         host = {}
         for name in ("token_ids", "logprobs", "top_ids", "top_logprobs"):

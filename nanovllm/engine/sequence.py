@@ -5,7 +5,6 @@ import enum
 
 from nanovllm.sampling_params import SamplingParams
 
-
 PLACEHOLDER = -1  # an output token sampled on the device but not yet read back (async scheduling)
 
 

@@ -37,7 +37,7 @@ class Layout:
     nbytes: int
 
     @classmethod
-    def make(cls, T: int, B: int, W: int, S: int, NB: int = 0) -> "Layout":
+    def make(cls, T: int, B: int, W: int, S: int, NB: int = 0) -> Layout:
         sizes = {"ids": T, "src": T, "pos": T, "slots": T, "cu": B + 1, "seq_lens": B, "tables": B * W,
                  "last": S, "steps": S, "top_ks": S, "banned_rows": NB, "banned_tokens": NB, "seeds": S,
                  "temps": S, "top_ps": S, "min_ps": S}

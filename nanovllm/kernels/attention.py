@@ -16,14 +16,13 @@ Common design points
 """
 from __future__ import annotations
 
-
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels._common import (check_float, check_int, check_same_device, is_pow2, next_pow2, sm_count)
+from nanovllm.kernels._common import check_float, check_int, check_same_device, is_pow2, next_pow2, sm_count
 
 _LOG2E = 1.4426950408889634
 

@@ -10,8 +10,12 @@ import torch
 
 from nanovllm.distributed.group import TPGroup
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from nanovllm.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
-                                    RowParallelLinear)
+from nanovllm.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import pytest
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import ModelConfig
 from nanovllm.distributed import check_tp_supported
+from tests.distributed.tp_helpers import assert_workers_gone, gone, ids
 
 MAX_NEW = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
@@ -40,23 +41,7 @@ def _prompts(seed=0, lens=(1, 5, 17, 40)):
     return [[rng.randrange(480) for _ in range(n)] for n in lens]
 
 
-def _ids(outs):
-    return [o["token_ids"] for o in outs]
 
-
-def _gone(pid: int) -> bool:
-    """True once pid is no process (or a zombie nobody will reap: not ours)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
-def _assert_workers_gone(pids):
-    live = {p.pid for p in multiprocessing.active_children()}
-    assert not live & set(pids), f"worker processes still registered: {live & set(pids)}"
-    assert all(_gone(p) for p in pids), [p for p in pids if not _gone(p)]
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +61,7 @@ def engines(tiny_ckpt):
     for _, llm in made.values():
         pids += llm.engine.runner.worker_pids
         llm.shutdown()
-    _assert_workers_gone(pids)
+    assert_workers_gone(pids)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -85,8 +70,8 @@ def test_greedy_matches_tp1_and_transformers(name, engines, hf_greedy):
     prompts = _prompts()
     tp_out = llm.generate(prompts, GREEDY, use_tqdm=False)
     ref = LLM(path, tensor_parallel_size=1, **ENGINE_KW).generate(prompts, GREEDY, use_tqdm=False)
-    assert _ids(tp_out) == _ids(ref)
-    assert _ids(tp_out) == hf_greedy(path, prompts, MAX_NEW)
+    assert ids(tp_out) == ids(ref)
+    assert ids(tp_out) == hf_greedy(path, prompts, MAX_NEW)
     assert all(len(o["token_ids"]) == MAX_NEW for o in tp_out)
     # every block came back (the driver's block manager is the only one)
     bm = llm.engine.block_manager
@@ -112,8 +97,8 @@ def test_two_engines_alive_do_not_collide(engines):
                     done[out.request_id] = out.token_ids
     got_a = [done[f"a{i}"] for i in range(len(pr_a))]
     got_b = [done[f"b{i}"] for i in range(len(pr_b))]
-    assert got_a == _ids(LLM(pa, **ENGINE_KW).generate(pr_a, GREEDY, use_tqdm=False))
-    assert got_b == _ids(LLM(pb, **ENGINE_KW).generate(pr_b, GREEDY, use_tqdm=False))
+    assert got_a == ids(LLM(pa, **ENGINE_KW).generate(pr_a, GREEDY, use_tqdm=False))
+    assert got_b == ids(LLM(pb, **ENGINE_KW).generate(pr_b, GREEDY, use_tqdm=False))
 
 
 def test_interrupted_step_leaves_executor_in_sync(engines, monkeypatch):
@@ -134,8 +119,8 @@ def test_interrupted_step_leaves_executor_in_sync(engines, monkeypatch):
         llm.generate(prompts, GREEDY, use_tqdm=False)
     assert calls and llm.engine.runner.is_alive and 0 in llm.engine.runner._pending
     monkeypatch.setattr(ex, "mp_wait", real_wait)
-    got = _ids(llm.generate(prompts, GREEDY, use_tqdm=False))
-    assert got == _ids(LLM(path, **ENGINE_KW).generate(prompts, GREEDY, use_tqdm=False))
+    got = ids(llm.generate(prompts, GREEDY, use_tqdm=False))
+    assert got == ids(LLM(path, **ENGINE_KW).generate(prompts, GREEDY, use_tqdm=False))
 
 
 _EXIT_SCRIPT = """
@@ -161,9 +146,9 @@ def test_workers_gone_after_interpreter_exit_without_shutdown(tiny_ckpt, tmp_pat
     pids = [int(x) for x in proc.stdout.split()]
     assert len(pids) == 2
     deadline = time.monotonic() + 5
-    while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+    while not all(gone(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert all(_gone(p) for p in pids)
+    assert all(gone(p) for p in pids)
 
 
 def test_tp4_replicated_kv_heads_and_clean_shutdown(tiny_ckpt):
@@ -175,13 +160,13 @@ def test_tp4_replicated_kv_heads_and_clean_shutdown(tiny_ckpt):
     pids = llm.engine.runner.worker_pids
     assert len(pids) == 4
     try:
-        assert _ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == _ids(ref)
+        assert ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == ids(ref)
     finally:
         t0 = time.monotonic()
         llm.shutdown()
         llm.shutdown()  # idempotent
     assert time.monotonic() - t0 < 20
-    _assert_workers_gone(pids)
+    assert_workers_gone(pids)
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate(prompts, GREEDY, use_tqdm=False)
 
@@ -199,12 +184,12 @@ def test_killed_worker_raises_fast(tiny_ckpt):
             llm.generate(_prompts(5, (6, 3)), GREEDY, use_tqdm=False)
         assert time.monotonic() - t0 < 15  # "within seconds", with room for a loaded 2-core CI machine
         assert not runner.is_alive
-        _assert_workers_gone(pids)  # the executor killed the surviving rank and reaped both
+        assert_workers_gone(pids)  # the executor killed the surviving rank and reaped both
         with pytest.raises(RuntimeError, match="has failed"):
             llm.generate(_prompts(6, (2,)), GREEDY, use_tqdm=False)
     finally:
         llm.shutdown()
-    _assert_workers_gone(pids)
+    assert_workers_gone(pids)
 
 
 def test_worker_exception_carries_traceback(tiny_ckpt):
@@ -225,7 +210,7 @@ def test_worker_exception_carries_traceback(tiny_ckpt):
         msg = str(info.value)
         assert "tensor-parallel worker rank" in msg and "raised" in msg
         assert "Traceback (most recent call last)" in msg and "worker.py" in msg
-        _assert_workers_gone(pids)
+        assert_workers_gone(pids)
     finally:
         llm.shutdown()
 

@@ -11,7 +11,6 @@ rank while the engine schedules the next one.
 from __future__ import annotations
 
 import functools
-import multiprocessing
 import os
 import random
 import signal
@@ -22,6 +21,7 @@ import pytest
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.batch import SamplingBatch, StepBatch
 from tests.distributed.fake_worker import FAIL_TOKEN, sample
+from tests.distributed.tp_helpers import assert_workers_gone, ids
 
 MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
@@ -43,22 +43,7 @@ def _prompts(seed=0, lens=(1, 15, 31, 47, 63, 100)):
     return [[rng.randrange(450) for _ in range(n)] for n in lens]
 
 
-def _ids(outs):
-    return [o["token_ids"] for o in outs]
 
-
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
-def _assert_workers_gone(pids):
-    live = {p.pid for p in multiprocessing.active_children()}
-    assert not live & set(pids), f"worker processes still registered: {live & set(pids)}"
-    assert all(_gone(p) for p in pids), [p for p in pids if not _gone(p)]
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +64,7 @@ def async_engines(tiny_ckpt):
     for _, llm, _ in made.values():
         pids += llm.engine.runner.worker_pids
         llm.shutdown()
-    _assert_workers_gone(pids)
+    assert_workers_gone(pids)
 
 
 # --- engine level ----------------------------------------------------------------------------------
@@ -101,10 +86,10 @@ def test_async_greedy_matches_tp1_and_transformers(name, async_engines, hf_greed
     eng.scheduler.schedule = spy
     prompts = _prompts()
     try:
-        got = _ids(llm.generate(prompts, GREEDY, use_tqdm=False))
+        got = ids(llm.generate(prompts, GREEDY, use_tqdm=False))
     finally:
         del eng.scheduler.schedule
-    assert got == _ids(LLM(path, **kw).generate(prompts, GREEDY, use_tqdm=False))
+    assert got == ids(LLM(path, **kw).generate(prompts, GREEDY, use_tqdm=False))
     assert got == hf_greedy(path, prompts, MAX_NEW)
     if "max_num_batched_tokens" in kw:
         assert all(sum(n for _, n, _ in step) <= 48 for step in seen)
@@ -155,8 +140,8 @@ def test_async_interrupted_wait_leaves_executor_in_step(async_engines, monkeypat
         llm.generate(prompts, GREEDY, use_tqdm=False)
     assert calls and runner.is_alive and runner._pending
     monkeypatch.setattr(ex, "mp_wait", real_wait)
-    got = _ids(llm.generate(prompts, GREEDY, use_tqdm=False))
-    assert got == _ids(LLM(path, **kw).generate(prompts, GREEDY, use_tqdm=False))
+    got = ids(llm.generate(prompts, GREEDY, use_tqdm=False))
+    assert got == ids(LLM(path, **kw).generate(prompts, GREEDY, use_tqdm=False))
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
 
@@ -181,12 +166,12 @@ def test_async_killed_worker_mid_generation_raises_fast(tiny_ckpt):
                 eng.step()
         assert time.monotonic() - t0 < 15  # "within seconds", with room for a loaded 2-core CI machine
         assert not runner.is_alive
-        _assert_workers_gone(pids)  # the surviving rank (stuck in a collective) was killed and reaped
+        assert_workers_gone(pids)  # the surviving rank (stuck in a collective) was killed and reaped
         with pytest.raises(RuntimeError, match="has failed"):
             llm.generate(_prompts(6, (2,)), GREEDY, use_tqdm=False)
     finally:
         llm.shutdown()
-    _assert_workers_gone(pids)
+    assert_workers_gone(pids)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -242,7 +227,7 @@ def fake_executor(tiny_ckpt):
     yield ex
     pids = ex.worker_pids
     ex.shutdown()
-    _assert_workers_gone(pids)
+    assert_workers_gone(pids)
 
 
 def test_protocol_pipelined_results_in_order(fake_executor):
@@ -341,7 +326,7 @@ def test_protocol_rank_raising_mid_pipeline(fake_executor):
             h.result()
             h = nxt
     assert time.monotonic() - t0 < 15  # "within seconds", with room for a loaded 2-core CI machine
-    _assert_workers_gone(pids)
+    assert_workers_gone(pids)
     with pytest.raises(RuntimeError, match="has failed"):
         ex.launch(_decode([1], 0))
     # the last handle either kept the result that arrived before the failure (timing-dependent: it may have

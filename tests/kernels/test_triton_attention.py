@@ -3,8 +3,12 @@ import pytest
 import torch
 
 from nanovllm.attention.torch_ref import paged_attention_ref
-from nanovllm.kernels.attention import (decode_num_splits, decode_workspace_numel, paged_decode_attention,
-                                        paged_prefill_attention)
+from nanovllm.kernels.attention import (
+    decode_num_splits,
+    decode_workspace_numel,
+    paged_decode_attention,
+    paged_prefill_attention,
+)
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5),
        torch.float16: dict(atol=5e-3, rtol=5e-3),

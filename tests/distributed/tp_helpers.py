@@ -1,0 +1,23 @@
+"""Helpers shared by the tensor-parallel tests."""
+from __future__ import annotations
+
+import multiprocessing
+
+
+def ids(outs):
+    return [o["token_ids"] for o in outs]
+
+
+def gone(pid: int) -> bool:
+    """True once pid is no process (or a zombie nobody will reap: not ours)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def assert_workers_gone(pids):
+    live = {p.pid for p in multiprocessing.active_children()}
+    assert not live & set(pids), f"worker processes still registered: {live & set(pids)}"
+    assert all(gone(p) for p in pids), [p for p in pids if not gone(p)]
