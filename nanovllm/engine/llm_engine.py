@@ -217,7 +217,8 @@ class LLMEngine:
             launched = (handle, sched)
         outputs, num_sampled = [], 0
         if self._inflight is not None:  # the previous step's tokens (its successor is already queued)
-            outputs, num_sampled = self._resolve(*self._inflight)
+            prev_handle, prev_pending = self._inflight
+            outputs, num_sampled = self._resolve(prev_handle.result(), prev_pending)
             self._inflight = None
         if launched is not None:
             handle, sched = launched
@@ -225,16 +226,15 @@ class LLMEngine:
             if self.async_scheduling:
                 self._inflight = (handle, pending)
             else:
-                outputs, num_sampled = self._resolve(handle, pending)
+                outputs, num_sampled = self._resolve(handle, pending)  # execute() gave the result itself
         elif self.scheduler.has_unfinished() and not outputs and not num_sampled:
             raise RuntimeError("scheduler made no progress with requests pending (KV cache too small?)")
         self.num_prompt_tokens += num_prefill
         self.num_generation_tokens += num_sampled
         return outputs, num_prefill, num_sampled
 
-    def _resolve(self, handle, pending: list[tuple[Sequence, int]]) -> tuple[list[RequestOutput], int]:
+    def _resolve(self, result, pending: list[tuple[Sequence, int]]) -> tuple[list[RequestOutput], int]:
         """Put a step's sampled tokens in place of its placeholders, then check each sequence for a stop."""
-        result = handle.result() if hasattr(handle, "result") else handle
         now = time.monotonic()
         outputs = []
         for seq, row in pending:

@@ -108,7 +108,7 @@ class ModelRunner:
             num_blocks = cfg.args.num_kvcache_blocks
         elif self.device.type == "cuda":
             num_blocks = self._profile_num_blocks(per_block)
-            self._warmup_forward([1, 2, 3])  # compile the short-chunk prefill variant now, not mid-run
+            self._warmup_forward([1, 2, 3][:cfg.max_num_seqs])  # the short-chunk prefill variant, compiled now
         else:
             want = -(-cfg.max_model_len // self.block_size) * cfg.max_num_seqs
             num_blocks = max(1, min(want, CPU_KV_CACHE_BYTES // per_block))
@@ -153,8 +153,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warmup_forward(self, lens: list[int]) -> None:
-        """One forward, logits and sampling for sequences of these lengths over a throwaway KV cache (sizes
-        the activation memory; compiles the kernels those shapes need)."""
+        """One step through the real eager path (packed inputs, forward, logits, sampling) for sequences of
+        these lengths over a throwaway KV cache: sizes the activation memory and compiles the kernels that
+        real steps of those shapes use."""
         bs = self.block_size
         blocks = [-(-n // bs) for n in lens]
         a = self.attn_layers[0]
@@ -162,32 +163,23 @@ class ModelRunner:
         saved = [(layer.k_cache, layer.v_cache) for layer in self.attn_layers]
         for layer in self.attn_layers:
             layer.k_cache, layer.v_cache, layer.backend = cache[0], cache[1], self.backend
-        tables, slots, first = [], [], 0
+        tables, slots, positions, cu, first = [], [], [], [0], 0
         for n, nb in zip(lens, blocks):
-            tables.append(list(range(first, first + nb)) + [-1] * (max(blocks) - nb))
+            tables.append(list(range(first, first + nb)))
             slots.extend(range(first * bs, first * bs + n))
-            first += nb
-        cu = [0]
-        for n in lens:
+            positions.extend(range(n))
             cu.append(cu[-1] + n)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            max_seqlen_q=max(lens), is_decode=False)
-        ids = torch.zeros(sum(lens), dtype=torch.int64, device=dev)
-        pos = torch.cat([torch.arange(n, device=dev) for n in lens])
-        hidden = self.model(ids, pos, meta)
-        logits = self.model.compute_logits(hidden[torch.tensor(cu[1:], device=dev) - 1])
-        self.sampler(logits, self._sampling_tensors(SamplingBatch(
-            temperatures=[1.0] * len(lens), top_ks=[0] * len(lens), top_ps=[1.0] * len(lens),
-            min_ps=[0.0] * len(lens), seeds=list(range(len(lens))), steps=[0] * len(lens),
-            logprobs=[None] * len(lens))))
+            first += nb
+        S = len(lens)
+        batch = StepBatch(
+            input_ids=[0] * cu[-1], positions=positions, slot_mapping=slots, cu_seqlens_q=cu, seq_lens=list(lens),
+            block_tables=tables, max_seqlen_q=max(lens), is_decode=False, sample_rows=list(range(S)),
+            sampling=SamplingBatch(temperatures=[1.0] * S, top_ks=[0] * S, top_ps=[1.0] * S, min_ps=[0.0] * S,
+                                   seeds=list(range(S)), steps=[0] * S, logprobs=[None] * S))
+        self.launch(batch).result()
         for layer, (k, v) in zip(self.attn_layers, saved):
             layer.k_cache, layer.v_cache = k, v
-        if dev.type == "cuda":
+        if self.device.type == "cuda":
             torch.cuda.synchronize()
 
     # --- CUDA graphs (decode) -----------------------------------------------------------------------
@@ -223,14 +215,6 @@ class ModelRunner:
         return self.model.compute_logits(self.model(ids, v["pos"], meta))      # (bs, vocab) float32
 
     # --- one step ----------------------------------------------------------------------------------
-    def _sampling_tensors(self, sb: SamplingBatch) -> SamplingTensors:
-        """Sampling tensors alone (the warm-up pass)."""
-        S = len(sb.temperatures)
-        batch = StepBatch(input_ids=[], positions=[], slot_mapping=[], cu_seqlens_q=[0], seq_lens=[],
-                          block_tables=[], max_seqlen_q=0, is_decode=False, sample_rows=[], sampling=sb)
-        v = self.staging.upload(batch, Layout.make(0, 0, 1, S, len(sb.banned)))
-        return self._sampling_from(v, sb)
-
     def _sampling_from(self, v: dict, sb: SamplingBatch) -> SamplingTensors:
         S = len(sb.temperatures)
         greedy = [t == 0.0 for t in sb.temperatures]
