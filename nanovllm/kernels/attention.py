@@ -53,6 +53,19 @@ def _kv_rows(bt_row, n0, offs_n, n_limit, stride_kb, stride_ks,
 # prefill / mixed batch
 # ----------------------------------------------------------------------------------------------------------------
 
+@triton.jit
+def _online_softmax_step(qk, v, m_i, l_i, acc, PREC: tl.constexpr, SOME_ROWS_EMPTY: tl.constexpr):
+    """Fold one tile of scores qk (base-2 logits, masked keys at -inf) and its values into the running
+    max m_i, denominator l_i and output acc. SOME_ROWS_EMPTY: a row may have no visible key yet."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new) if SOME_ROWS_EMPTY else m_new
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(qk - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_i, acc
+
+
 # num_seqs and the block-table row stride change from step to step: specializing on them (divisible by 16, or
 # 1) would compile new variants mid-run (seen on an H200: ~1 s stalls in the first steps of a benchmark)
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
@@ -116,12 +129,7 @@ def _prefill_kernel(
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, PREC, False)
 
         # tiles crossing the diagonal: causal + length masks
         for n0 in range(full_end, kv_end, BLOCK_N):
@@ -136,13 +144,7 @@ def _prefill_kernel(
             qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
             visible = (n[None, :] <= q_abs[:, None]) & n_ok[None, :]
             qk = tl.where(visible, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows with nothing visible yet
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(qk - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, PREC, True)  # rows may see nothing yet
 
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]            # seq_len 0 -> zeros
         tl.store(Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -197,12 +199,7 @@ def _decode_kernel(
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         qk = tl.where(n_ok[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))   # finite: every tile has at least one valid key
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, PREC, False)  # every tile has a valid key
 
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
