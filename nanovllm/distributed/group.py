@@ -12,13 +12,32 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: Any = None  # torch.distributed ProcessGroup when size > 1
+    reducer: Any = None  # SymmMemAllReduce on CUDA when available (else NCCL / gloo do every all-reduce)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum x over the ranks, in place; returns x."""
-        if self.size > 1:
-            import torch.distributed as dist
-            dist.all_reduce(x, group=self.group)
+        """Sum x over the ranks. Returns the sum: x itself (reduced in place), or, through the symmetric-memory
+        reducer, a buffer that stays valid until the next-but-one all-reduce of this group."""
+        if self.size == 1:
+            return x
+        if self.reducer is not None and x.is_contiguous():
+            buf = self.reducer.buffer(tuple(x.shape), x.dtype)
+            if buf is not None:
+                buf.copy_(x)
+                return self.reducer.all_reduce_(buf)
+        import torch.distributed as dist
+        dist.all_reduce(x, group=self.group)
         return x
+
+    def reduce_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """Where a layer may write a partial result to be summed by ``all_reduce_buffer`` without a copy; None
+        when that path isn't available (then call ``all_reduce``)."""
+        if self.size == 1 or self.reducer is None:
+            return None
+        return self.reducer.buffer(shape, dtype)
+
+    def all_reduce_buffer(self, buf: torch.Tensor) -> torch.Tensor:
+        """Sum a tensor obtained from ``reduce_buffer`` over the ranks, in place."""
+        return self.reducer.all_reduce_(buf)
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate each rank's x along the last dim, rank order.

@@ -4,7 +4,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -42,6 +42,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device if self.device.index is not None else self.tp.rank)
             self.device = torch.device("cuda", torch.cuda.current_device())
+            if self.tp.size > 1:
+                self.tp = replace(self.tp, reducer=self._make_reducer())
         t0 = time.perf_counter()
         self.model = self._load_model()
         self.load_seconds = time.perf_counter() - t0
@@ -78,6 +80,15 @@ class ModelRunner:
         else:
             load_safetensors(model, cfg.model_dir)
         return model.eval().requires_grad_(False)
+
+    def _make_reducer(self):
+        """The symmetric-memory all-reduce for the row-parallel layers (collective: every rank builds it here),
+        sized for the largest forward: a full token budget, or the largest CUDA-graph batch."""
+        from nanovllm.distributed.symm_allreduce import SymmMemAllReduce
+        cfg = self.config
+        rows = max(cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        return SymmMemAllReduce.maybe_create(self.tp.group, self.tp.rank, self.tp.size,
+                                             rows * cfg.model.hidden_size, self.dtype, self.device)
 
     def _install_fused_ops(self) -> None:
         """Swap the torch reference ops for their Triton kernels (norms, RoPE, SiLU-and-mul, sampling), and fuse
@@ -233,6 +244,8 @@ class ModelRunner:
 
         Placeholder inputs (async scheduling) read the previous step's sampled ids, which stay on the device
         in `sampled_buf`."""
+        if self.model is None:
+            raise RuntimeError("the model runner has been shut down")
         n, S = batch.num_seqs, len(batch.sample_rows)
         if batch.is_decode and self.graphs and n <= self.graph_sizes[-1]:
             bs = self.graph_sizes[bisect.bisect_left(self.graph_sizes, n)]
@@ -262,6 +275,26 @@ class ModelRunner:
     def execute(self, batch: StepBatch) -> StepResult | None:
         """Run one step and wait for it. Returns the sampled tokens (on the rank that samples), else None."""
         return self.launch(batch).result()
+
+    def shutdown(self) -> None:
+        """Release the model, KV cache and CUDA graphs, so the device memory goes back to the GPU (another engine
+        in this process or another process can then use it). Idempotent; no step can run afterwards."""
+        if self.model is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for layer in self.attn_layers:
+            layer.k_cache = layer.v_cache = None
+        self.graphs = {}
+        self.g_logits = {}
+        self.model = self.kv_cache = self.g_stage = self.g_cu = None
+        self.attn_layers = []
+        self.staging = Staging(self.device)
+        self.sampled_buf = torch.zeros(0, dtype=torch.int64, device=self.device)
+        if self.device.type == "cuda":
+            import gc
+            gc.collect()
+            torch.cuda.empty_cache()
 
 
 class PendingStep:

@@ -123,5 +123,13 @@ class RowParallelLinear(LinearBase):
         _copy(param.data, loaded.narrow(1, self.tp.rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
-        return self.tp.all_reduce(y)
+        bias = self.bias if self.tp.rank == 0 else None
+        out = self.tp.reduce_buffer((x.shape[0], self.weight.shape[0]), x.dtype) if x.dim() == 2 else None
+        if out is None:
+            return self.tp.all_reduce(F.linear(x, self.weight, bias))
+        # the partial product goes straight into the reducer's buffer (no copy before the all-reduce)
+        if bias is None:
+            torch.mm(x, self.weight.t(), out=out)
+        else:
+            torch.addmm(bias, x, self.weight.t(), out=out)
+        return self.tp.all_reduce_buffer(out)
