@@ -223,7 +223,7 @@ class ModelRunner:
         meta = AttentionMetadata(v["slots"], self.g_cu[:bs + 1], v["seq_lens"], v["tables"].view(bs, self.graph_width),
                                  max_seqlen_q=1, is_decode=True)
         ids = torch.where(v["src"] >= 0, self.sampled_buf[v["src"].clamp(min=0)], v["ids"])
-        return self.model.compute_logits(self.model(ids, v["pos"], meta))      # (bs, vocab) float32
+        return self.model.compute_logits(self.model(ids, v["pos"], meta))      # (bs, vocab)
 
     # --- one step ----------------------------------------------------------------------------------
     def _sampling_from(self, v: dict, sb: SamplingBatch) -> SamplingTensors:
@@ -263,7 +263,7 @@ class ModelRunner:
             hidden = self.model(ids, v["pos"], meta)                           # (T, hidden)
             if not S:
                 return PendingStep(sampled=None, rank=self.tp.rank)
-            logits = self.model.compute_logits(hidden[v["last"]])              # (S, vocab) float32
+            logits = self.model.compute_logits(hidden[v["last"]])              # (S, vocab)
         # every rank has the full logits and sampling is a pure function of them and the seeds, so every rank
         # samples the same ids: each keeps them on its device for the next step's placeholder inputs
         out = self.sampler(logits, self._sampling_from(v, batch.sampling))

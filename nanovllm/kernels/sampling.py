@@ -144,9 +144,9 @@ def _argmax_lanes(vals, idxs):
 def _greedy_tile(lrow, s, lanes, end, best, best_i, MASKED: tl.constexpr):
     offs = s + lanes
     if MASKED:
-        x = tl.load(lrow + offs, mask=offs < end, other=float("-inf"), eviction_policy="evict_first")
+        x = tl.load(lrow + offs, mask=offs < end, other=float("-inf"), eviction_policy="evict_first").to(tl.float32)
     else:
-        x = tl.load(lrow + offs, eviction_policy="evict_first")
+        x = tl.load(lrow + offs, eviction_policy="evict_first").to(tl.float32)
     upd = _better(x, best)
     return tl.where(upd, x, best), tl.where(upd, offs, best_i)
 
@@ -159,7 +159,7 @@ def _exact_chunk(lrow, start, end, lanes, t, base, BLOCK: tl.constexpr, GPU: tl.
     for s in range(start, end, BLOCK):
         offs = s + lanes
         mask = offs < end
-        x = tl.load(lrow + offs, mask=mask, other=0.0)
+        x = tl.load(lrow + offs, mask=mask, other=0.0).to(tl.float32)
         score = tl.div_rn(x, t) + _gumbel_exact(_uniform(base, offs, GPU), GPU)
         score = tl.where(mask, score, float("-inf"))
         upd = _better(score, best)
@@ -173,9 +173,9 @@ def _approx_tile(lrow, s, lanes, end, rcp, base, best, second, best_i, MASKED: t
     offs = s + lanes
     if MASKED:
         mask = offs < end
-        x = tl.load(lrow + offs, mask=mask, other=0.0, eviction_policy="evict_first")
+        x = tl.load(lrow + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
     else:
-        x = tl.load(lrow + offs, eviction_policy="evict_first")
+        x = tl.load(lrow + offs, eviction_policy="evict_first").to(tl.float32)
     a = _score_approx(x, rcp, _uniform(base, offs, GPU), GPU)
     # NaN (NaN logit, or -inf logit + inf noise) would be invisible to '>': rank it as +inf, so it wins or ties
     # (a tie at +inf fails verification and the exact pass, which knows NaN > inf, decides)
@@ -235,7 +235,7 @@ def _sample_chunk_kernel(
             lead = (m - sec) > margin_abs + margin_rel * (tl.abs(m) + tl.abs(sec))
             ok = (m > sec) & ((sec == float("-inf")) | ((m == float("inf")) & (sec < 1e30)) | lead)
             if ok:  # the cheap winner is the exact winner: recompute its exact score only
-                x = tl.load(lrow + w)
+                x = tl.load(lrow + w).to(tl.float32)
                 val = tl.div_rn(x, t) + _gumbel_exact(_uniform(base, w, GPU), GPU)
                 idx = w
             else:  # near-tie or special values: exact scores for the whole chunk
@@ -279,7 +279,9 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor
     """Gumbel-max sampling in one pass over the logits: the tokens of ``sample_ref`` without filters.
 
     Args:
-        logits: (B, V) float32; rows may be strided (e.g. a column slice) but the last dim must be contiguous.
+        logits: (B, V) float32, bfloat16 or float16 (read as float32, which is exact: the tokens are those of
+            ``sample_ref(logits.float(), ...)``); rows may be strided (e.g. a column slice) but the last dim
+            must be contiguous.
         temperatures: (B,) float32; rows with T <= 0 take the argmax of the logits.
         seeds, steps: (B,) int64 (int32 is sign-extended, like ``.long()``): noise seeds and output positions.
         out: optional (B,) int64 output buffer.
@@ -291,8 +293,8 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise ValueError(f"{fn}: logits must be a (B, V) tensor, got "
                          f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__}")
-    if logits.dtype != torch.float32:
-        raise ValueError(f"{fn}: logits must be float32, got {logits.dtype}")
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{fn}: logits must be float32, bfloat16 or float16, got {logits.dtype}")
     B, V = logits.shape
     if V == 0:
         raise ValueError(f"{fn}: logits have an empty vocabulary (shape {tuple(logits.shape)})")

@@ -36,10 +36,11 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Hidden states -> full-vocabulary logits (float32) on every rank."""
+    """Hidden states -> full-vocabulary logits on every rank, in the model's dtype: the sampler reads them as
+    float32 (exactly) in its fused kernel, and converts them itself where it needs a float32 copy."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.weight)
         if self.tp.size > 1:
             logits = self.tp.all_gather_last_dim(logits)
-        return logits[..., :self.vocab_size].float()
+        return logits[..., :self.vocab_size]

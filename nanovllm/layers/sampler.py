@@ -94,19 +94,20 @@ class Sampler(nn.Module):
 
     @torch.no_grad()
     def forward(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
-        """logits: (B, V) float32 (modified in place). Returns the sampled ids and requested logprobs."""
+        """logits: (B, V), any float dtype (modified in place); sampling works on their float32 values (an exact
+        conversion), so the tokens don't depend on it. Returns the sampled ids and requested logprobs."""
         if t.banned_rows is not None:
             logits[t.banned_rows, t.banned_tokens] = float("-inf")
         out = SamplerOutput(token_ids=torch.empty(0))
         if t.max_logprobs is not None:
-            logp = torch.log_softmax(logits, dim=-1)
+            logp = torch.log_softmax(logits.float(), dim=-1)
         filters = t.need_top_k or t.need_top_p or t.need_min_p
         if t.all_greedy:
             out.token_ids = logits.argmax(dim=-1)
         elif self.fused_sample is not None and not filters:
-            out.token_ids = self.fused_sample(logits, t.temperatures, t.seeds, t.steps)
+            out.token_ids = self.fused_sample(logits, t.temperatures, t.seeds, t.steps)  # reads any float dtype
         else:
-            out.token_ids = sample_ref(logits, t.temperatures, t.seeds, t.steps,
+            out.token_ids = sample_ref(logits.float(), t.temperatures, t.seeds, t.steps,
                                        t.top_ks if t.need_top_k else None, t.top_ps if t.need_top_p else None,
                                        t.min_ps if t.need_min_p else None)
         if t.max_logprobs is not None:

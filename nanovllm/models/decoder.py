@@ -148,4 +148,4 @@ class DecoderForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)  # (N, vocab) float32
+        return self.lm_head(hidden)  # (N, vocab) in the model's dtype

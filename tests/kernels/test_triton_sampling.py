@@ -60,6 +60,18 @@ def test_matches_reference(device, B, V, num_chunks):
     assert out[greedy].tolist() == logits[greedy].argmax(dim=-1).tolist()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_logits_read_as_float32(device, dtype):
+    # the LM head hands its bf16/fp16 logits straight to the kernel: same tokens as the float32 reference on
+    # the upcast values (an exact conversion), for a strided (vocab-sliced) view too
+    logits, temps, seeds, steps = _inputs(8, 3000, seed=5, device=device)
+    padded = torch.cat([logits, logits[:, :40]], dim=1).to(dtype)
+    low = padded[:, :3000]
+    ref = sample_ref(low.float(), temps, seeds, steps).tolist()
+    assert sample(low, temps, seeds, steps).tolist() == ref
+    assert sample(low, temps, seeds, steps, num_chunks=1).tolist() == ref
+
+
 def test_exact_path_matches_reference(device):
     # the filter pass skipped: every chunk scored exactly (the path taken after a failed verification)
     logits, temps, seeds, steps = _inputs(8, 3000, seed=11, device=device)
@@ -185,8 +197,8 @@ def test_distribution(device):
 
 def test_validation(device):
     logits, temps, seeds, steps = _inputs(3, 100, seed=1, device=device)
-    with pytest.raises(ValueError, match="float32"):
-        sample(logits.half(), temps, seeds, steps)
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16, got torch.float64"):
+        sample(logits.double(), temps, seeds, steps)
     with pytest.raises(ValueError, match=r"\(B, V\)"):
         sample(logits[0], temps, seeds, steps)
     with pytest.raises(ValueError, match="contiguous"):
