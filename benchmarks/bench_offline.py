@@ -41,6 +41,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", default=None, help="append the result as a JSON line to this file")
     ap.add_argument("--label", default="")
     ap.add_argument("--step-log", default=None, help="write per-step timings (JSON) here and print a summary")
+    ap.add_argument("--gpu-idle", action="store_true",
+                    help="TP=1 on CUDA: time each step on the device with events and report how long the GPU sat "
+                         "idle between steps (waiting for the host)")
     add_engine_args(ap)
     ns = ap.parse_args(argv)
     kwargs = {"max_model_len": 4096, **engine_kwargs(ns)}
@@ -79,6 +82,17 @@ def main(argv=None) -> dict:
         return r
 
     llm.generate([[1, 2, 3, 4]] * 4, SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    marks = []  # (event before the step's first device work, event after its last)
+    real_launch = runner.launch
+    if ns.gpu_idle and cuda and hasattr(runner, "graphs"):
+        def marked_launch(batch, prev=None):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            r = real_launch(batch, prev)
+            b.record()
+            marks.append((a, b))
+            return r
+        runner.launch = marked_launch
     le.build_step_batch = counting_build
     eng.step = timed_step
     if cuda:
@@ -91,6 +105,12 @@ def main(argv=None) -> dict:
     elapsed = time.perf_counter() - t
     le.build_step_batch = real_build
     eng.step = real_step
+    runner.launch = real_launch
+    if marks:
+        busy = sum(a.elapsed_time(b) for a, b in marks)
+        idle = [marks[i][1].elapsed_time(marks[i + 1][0]) for i in range(len(marks) - 1)]
+        print(f"device: {busy / 1e3:.3f} s inside steps, {sum(idle) / 1e3:.3f} s idle between {len(marks)} steps "
+              f"(median gap {sorted(idle)[len(idle) // 2] * 1e3:.0f} us, {sum(g > 0.05 for g in idle)} gaps > 50 us)")
     if ns.step_log:
         kv_tok = kv_per_token
         with open(ns.step_log, "w") as f:

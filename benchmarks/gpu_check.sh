@@ -25,7 +25,7 @@ for s in $steps; do
     kernel_tests) run kernel_tests 400 python3 -m pytest tests/kernels -q -x ;;
     parity) run parity 240 python3 benchmarks/parity_bf16.py ;;
     parity32) run parity32 240 python3 benchmarks/parity_bf16.py --dtype float32 --num-prompts 16 ;;
-    bench06) TAIL=40 run bench06 300 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-0.6b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-}" --step-log "$OUT/steps06.json" ;;
+    bench06) TAIL=40 run bench06 300 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-0.6b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-}" --step-log "$OUT/steps06.json" --gpu-idle ;;
     bench06sync) run bench06sync 300 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-0.6b --load-format dummy --no-async-scheduling --json "$OUT/bench.jsonl" --label "${LABEL:-} sync" ;;
     profile8) TAIL=60 run profile8 300 python3 benchmarks/profile_step.py --model benchmarks/models/qwen3-8b --load-format dummy ;;
     gemm) TAIL=40 run gemm 200 python3 benchmarks/comm_gemm_check.py gemm ;;
@@ -34,7 +34,7 @@ for s in $steps; do
     bench8tp2nccl) TAIL=40 NANOVLLM_ALLREDUCE=nccl run bench8tp2nccl 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --tensor-parallel-size 2 --json "$OUT/bench.jsonl" --label "${LABEL:-} tp2 nccl" --step-log "$OUT/steps8tp2nccl.json" ;;
     allreduce) TAIL=40 run allreduce 200 python3 benchmarks/comm_gemm_check.py allreduce ;;
     profile06) TAIL=60 run profile06 240 python3 benchmarks/profile_step.py --model benchmarks/models/qwen3-0.6b --load-format dummy ;;
-    bench8) TAIL=40 run bench8 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-}" --step-log "$OUT/steps8.json" ;;
+    bench8) TAIL=40 run bench8 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-}" --step-log "$OUT/steps8.json" --gpu-idle ;;
     bench8tp2) TAIL=40 run bench8tp2 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --tensor-parallel-size 2 --json "$OUT/bench.jsonl" --label "${LABEL:-} tp2" --step-log "$OUT/steps8tp2.json" ;;
     online06) TAIL=40 run online06 400 python3 benchmarks/online_bench.py --model benchmarks/models/qwen3-0.6b --load-format dummy --max-model-len 4096 --rates "${RATES:-16,64,inf}" --output "$OUT/online06.json" ;;
     sweep) TAIL=40 run sweep 300 python3 benchmarks/decode_sweep.py --out "$OUT/best_decode.txt" ;;
