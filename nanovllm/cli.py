@@ -78,7 +78,8 @@ def _generate(ns: argparse.Namespace) -> int:
     finally:
         llm.shutdown()
     for p, o in zip(prompts, outs):
-        print(f"\nPrompt: {p!r}\nOutput: {o['text']!r}\n  ({len(o['token_ids'])} tokens, finish_reason={o['finish_reason']})")
+        print(f"\nPrompt: {p!r}\nOutput: {o['text']!r}\n"
+              f"  ({len(o['token_ids'])} tokens, finish_reason={o['finish_reason']})")
     return 0
 
 
@@ -87,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text offline for one or more prompts")
-    g.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: a built-in tiny random model)")
+    g.add_argument("--model", default=None,
+                   help="Hugging Face checkpoint directory (default: a built-in tiny random model)")
     g.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     g.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     g.add_argument("--max-tokens", type=int, default=64)

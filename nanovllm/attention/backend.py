@@ -96,5 +96,6 @@ def get_attention_backend(name: str) -> AttentionBackend:
     try:
         cls = ATTENTION_BACKENDS[name]
     except KeyError:
-        raise ValueError(f"unknown attention backend {name!r}; valid: {', '.join(sorted(ATTENTION_BACKENDS))}") from None
+        valid = ", ".join(sorted(ATTENTION_BACKENDS))
+        raise ValueError(f"unknown attention backend {name!r}; valid: {valid}") from None
     return cls()

@@ -178,9 +178,11 @@ class BlockManager:
                 counts[b] += 1
         for blk in self.blocks:
             if blk.ref_count != counts[blk.block_id]:
-                raise AssertionError(f"block {blk.block_id}: ref_count {blk.ref_count} != holders {counts[blk.block_id]}")
+                raise AssertionError(f"block {blk.block_id}: ref_count {blk.ref_count} != "
+                                     f"holders {counts[blk.block_id]}")
             if (blk.ref_count == 0) != (blk.block_id in self.free):
-                raise AssertionError(f"block {blk.block_id}: ref_count {blk.ref_count} but in_free={blk.block_id in self.free}")
+                raise AssertionError(f"block {blk.block_id}: ref_count {blk.ref_count} but "
+                                     f"in_free={blk.block_id in self.free}")
         for h, b in self.hash_to_block.items():
             if self.blocks[b].hash != h:
                 raise AssertionError(f"hash table points {h} at block {b} holding {self.blocks[b].hash}")

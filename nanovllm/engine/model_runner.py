@@ -233,7 +233,8 @@ class ModelRunner:
         return SamplingTensors(
             temperatures=v["temps"][:S], top_ks=v["top_ks"][:S], top_ps=v["top_ps"][:S], min_ps=v["min_ps"][:S],
             seeds=v["seeds"][:S], steps=v["steps"][:S],
-            banned_rows=v["banned_rows"] if sb.banned else None, banned_tokens=v["banned_tokens"] if sb.banned else None,
+            banned_rows=v["banned_rows"] if sb.banned else None,
+            banned_tokens=v["banned_tokens"] if sb.banned else None,
             all_greedy=all(greedy), any_greedy=any(greedy),
             need_top_k=any(k > 0 for k in sb.top_ks), need_top_p=any(p < 1.0 for p in sb.top_ps),
             need_min_p=any(p > 0.0 for p in sb.min_ps), max_logprobs=max(asked) if asked else None)

@@ -529,9 +529,9 @@ def _file_lock(lock_path: str, timeout: float = 600.0):
             try:
                 fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
-            except OSError:
+            except OSError as e:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"could not lock {lock_path}")
+                    raise TimeoutError(f"could not lock {lock_path}") from e
                 time.sleep(0.05)
         try:
             yield
