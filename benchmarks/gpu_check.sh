@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole GPU check-and-bench in one device call:  bash benchmarks/gpu_check.sh [steps...]
-# steps: env kernels kernel_tests parity parity32 bench06 bench06sync profile06 profile8 bench8 bench8tp2 online06
+# steps: env kernels kernel_tests parity parity_trained parity32 bench06 bench06sync profile06 profile8 bench8 bench8tp2 online06
 #        gemm gemmlt allreduce tp_parity bench8tp2nccl sweep bench06best
 # (default: env kernels parity bench06 profile06 bench8). online06 needs fastapi/uvicorn: carry .whl and
 # start the command with the wheel install from the device README.
@@ -24,6 +24,7 @@ for s in $steps; do
     kernels) run kernels 240 python3 benchmarks/kernel_check.py ;;
     kernel_tests) run kernel_tests 400 python3 -m pytest tests/kernels -q -x ;;
     parity) run parity 240 python3 benchmarks/parity_bf16.py ;;
+    parity_trained) run parity_trained 300 python3 benchmarks/parity_bf16.py --model trained ;;
     parity32) run parity32 240 python3 benchmarks/parity_bf16.py --dtype float32 --num-prompts 16 ;;
     bench06) TAIL=40 run bench06 300 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-0.6b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-}" --step-log "$OUT/steps06.json" --gpu-idle ;;
     bench06sync) run bench06sync 300 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-0.6b --load-format dummy --no-async-scheduling --json "$OUT/bench.jsonl" --label "${LABEL:-} sync" ;;
