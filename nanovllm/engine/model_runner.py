@@ -288,10 +288,8 @@ class ModelRunner:
             layer.k_cache = layer.v_cache = None
         self.graphs = {}
         self.g_logits = {}
-        self.model = self.kv_cache = self.g_stage = self.g_cu = None
+        self.model = self.kv_cache = self.g_stage = self.g_cu = self.staging = self.sampled_buf = None
         self.attn_layers = []
-        self.staging = Staging(self.device)
-        self.sampled_buf = torch.zeros(0, dtype=torch.int64, device=self.device)
         if self.device.type == "cuda":
             import gc
             gc.collect()
