@@ -50,7 +50,10 @@ class SymmMemAllReduce:
                      device: torch.device) -> SymmMemAllReduce | None:
         """The reducer, or None (NCCL then does every all-reduce) when it is off, unsupported or failing.
         Every rank must call this at the same point: building it is collective."""
-        if os.environ.get("NANOVLLM_ALLREDUCE", "auto") == "nccl":
+        choice = os.environ.get("NANOVLLM_ALLREDUCE", "auto")
+        if choice not in ("auto", "nccl"):
+            raise ValueError(f"NANOVLLM_ALLREDUCE must be 'auto' or 'nccl', got {choice!r}")
+        if choice == "nccl":
             return None
         if device.type != "cuda" or world_size < 2 or dtype not in (torch.bfloat16, torch.float32):
             return None

@@ -107,6 +107,9 @@ def test_maybe_create_is_off_on_cpu_and_when_disabled(monkeypatch):
     assert SymmMemAllReduce.maybe_create(*args, torch.device("cpu")) is None
     monkeypatch.setenv("NANOVLLM_ALLREDUCE", "nccl")
     assert SymmMemAllReduce.maybe_create(*args, torch.device("cuda")) is None
+    monkeypatch.setenv("NANOVLLM_ALLREDUCE", "symm")
+    with pytest.raises(ValueError, match="NANOVLLM_ALLREDUCE must be 'auto' or 'nccl', got 'symm'"):
+        SymmMemAllReduce.maybe_create(*args, torch.device("cuda"))
 
 
 def test_all_reduce_copies_into_the_buffer_when_it_fits():
