@@ -49,6 +49,24 @@ def _kv_rows(bt_row, n0, offs_n, n_limit, stride_kb, stride_ks,
     return rows
 
 
+@triton.jit
+def _kv_tile(K, V, bt_row, n0, offs_n, offs_d, n_limit, n_ok, head_off, stride_kb, stride_ks,
+             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr):
+    """The (BLOCK_N, HEAD_DIM) key and value tiles of keys n0 + offs_n of one KV head, upcast to float32 when
+    UPCAST. MASKED: keys at or past n_limit (n_ok = n0 + offs_n < n_limit, False) read as zeros."""
+    rows = _kv_rows(bt_row, n0, offs_n, n_limit, stride_kb, stride_ks, BLOCK_SIZE, BLOCK_N, MASKED) + head_off
+    if MASKED:
+        k = tl.load(K + rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        v = tl.load(V + rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+    else:
+        k = tl.load(K + rows[:, None] + offs_d[None, :])
+        v = tl.load(V + rows[:, None] + offs_d[None, :])
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # prefill / mixed batch
 # ----------------------------------------------------------------------------------------------------------------
@@ -122,12 +140,8 @@ def _prefill_kernel(
 
         # tiles strictly below the causal diagonal of every row: no masks at all
         for n0 in range(0, full_end, BLOCK_N):
-            rows = _kv_rows(bt_row, n0, offs_n, kv_end, stride_kb, stride_ks, BLOCK_SIZE, BLOCK_N, False) + head_off
-            k = tl.load(K + rows[:, None] + offs_d[None, :])
-            v = tl.load(V + rows[:, None] + offs_d[None, :])
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
+            k, v = _kv_tile(K, V, bt_row, n0, offs_n, offs_d, kv_end, None, head_off, stride_kb, stride_ks,
+                            BLOCK_SIZE, BLOCK_N, False, UPCAST)
             qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
             m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, PREC, False)
 
@@ -135,12 +149,8 @@ def _prefill_kernel(
         for n0 in range(full_end, kv_end, BLOCK_N):
             n = n0 + offs_n
             n_ok = n < kv_end
-            rows = _kv_rows(bt_row, n0, offs_n, kv_end, stride_kb, stride_ks, BLOCK_SIZE, BLOCK_N, True) + head_off
-            k = tl.load(K + rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-            v = tl.load(V + rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
+            k, v = _kv_tile(K, V, bt_row, n0, offs_n, offs_d, kv_end, n_ok, head_off, stride_kb, stride_ks,
+                            BLOCK_SIZE, BLOCK_N, True, UPCAST)
             qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
             visible = (n[None, :] <= q_abs[:, None]) & n_ok[None, :]
             qk = tl.where(visible, qk, float("-inf"))
@@ -191,12 +201,8 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         n = n0 + offs_n
         n_ok = n < end
-        rows = _kv_rows(bt_row, n0, offs_n, end, stride_kb, stride_ks, BLOCK_SIZE, BLOCK_N, True) + head_off
-        k = tl.load(K + rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-        v = tl.load(V + rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _kv_tile(K, V, bt_row, n0, offs_n, offs_d, end, n_ok, head_off, stride_kb, stride_ks,
+                        BLOCK_SIZE, BLOCK_N, True, UPCAST)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         qk = tl.where(n_ok[None, :], qk, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, PREC, False)  # every tile has a valid key
