@@ -17,7 +17,7 @@ import pytest
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import ModelConfig
 from nanovllm.distributed import check_tp_supported
-from tests.distributed.tp_helpers import assert_workers_gone, gone, ids
+from tests.distributed.tp_helpers import assert_workers_gone, engine_cache, gone, ids
 
 MAX_NEW = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
@@ -47,21 +47,13 @@ def _prompts(seed=0, lens=(1, 5, 17, 40)):
 @pytest.fixture(scope="module")
 def engines(tiny_ckpt):
     """engines(name) -> (checkpoint path, a live TP LLM), built on first use, shut down after the module."""
-    made: dict = {}
+    def build(name):
+        arch, kw, tp = CASES[name]
+        path = tiny_ckpt(arch, **kw)
+        return path, LLM(path, tensor_parallel_size=tp, **ENGINE_KW)
 
-    def get(name):
-        if name not in made:
-            arch, kw, tp = CASES[name]
-            path = tiny_ckpt(arch, **kw)
-            made[name] = (path, LLM(path, tensor_parallel_size=tp, **ENGINE_KW))
-        return made[name]
-
-    yield get
-    pids = []
-    for _, llm in made.values():
-        pids += llm.engine.runner.worker_pids
-        llm.shutdown()
-    assert_workers_gone(pids)
+    with engine_cache(build) as get:
+        yield get
 
 
 @pytest.mark.parametrize("name", list(CASES))

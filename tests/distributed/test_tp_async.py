@@ -21,7 +21,7 @@ import pytest
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.batch import SamplingBatch, StepBatch
 from tests.distributed.fake_worker import FAIL_TOKEN, sample
-from tests.distributed.tp_helpers import assert_workers_gone, ids
+from tests.distributed.tp_helpers import assert_workers_gone, engine_cache, ids
 
 MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
@@ -49,22 +49,14 @@ def _prompts(seed=0, lens=(1, 15, 31, 47, 63, 100)):
 @pytest.fixture(scope="module")
 def async_engines(tiny_ckpt):
     """async_engines(name) -> (path, TP=2 LLM with async scheduling, engine kwargs); shut down at the end."""
-    made: dict = {}
+    def build(name):
+        arch, ckpt_kw, kw = CASES[name]
+        path = tiny_ckpt(arch, **ckpt_kw)
+        kw = {**BASE_KW, **kw}
+        return path, LLM(path, tensor_parallel_size=2, async_scheduling=True, **kw), kw
 
-    def get(name):
-        if name not in made:
-            arch, ckpt_kw, kw = CASES[name]
-            path = tiny_ckpt(arch, **ckpt_kw)
-            kw = {**BASE_KW, **kw}
-            made[name] = (path, LLM(path, tensor_parallel_size=2, async_scheduling=True, **kw), kw)
-        return made[name]
-
-    yield get
-    pids = []
-    for _, llm, _ in made.values():
-        pids += llm.engine.runner.worker_pids
-        llm.shutdown()
-    assert_workers_gone(pids)
+    with engine_cache(build) as get:
+        yield get
 
 
 # --- engine level ----------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Helpers shared by the tensor-parallel tests."""
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 
 
@@ -21,3 +22,24 @@ def assert_workers_gone(pids):
     live = {p.pid for p in multiprocessing.active_children()}
     assert not live & set(pids), f"worker processes still registered: {live & set(pids)}"
     assert all(gone(p) for p in pids), [p for p in pids if not gone(p)]
+
+
+@contextlib.contextmanager
+def engine_cache(build):
+    """Yields get(name): the engine tuple ``build(name)`` (its second item the TP LLM), built on first use.
+    On exit every engine is shut down and none of their worker processes may be left."""
+    made: dict = {}
+
+    def get(name):
+        if name not in made:
+            made[name] = build(name)
+        return made[name]
+
+    try:
+        yield get
+    finally:
+        pids = []
+        for entry in made.values():
+            pids += entry[1].engine.runner.worker_pids
+            entry[1].shutdown()
+        assert_workers_gone(pids)
