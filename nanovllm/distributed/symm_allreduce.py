@@ -16,6 +16,7 @@ when ``NANOVLLM_ALLREDUCE=nccl``.
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import torch
@@ -69,9 +70,7 @@ class SymmMemAllReduce:
 
     def buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """The next free symmetric buffer viewed as ``shape``, or None if such a tensor can't go this way."""
-        numel = 1
-        for s in shape:
-            numel *= int(s)
+        numel = math.prod(shape)
         if not self.fits(numel, dtype):
             return None
         buf = self.bufs[self._next]
