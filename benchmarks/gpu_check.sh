@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU check-and-bench in one device call:  bash benchmarks/gpu_check.sh [steps...]
 # steps: env kernels kernel_tests parity parity_trained parity32 bench06 bench06sync profile06 profile8 bench8 bench8tp2 online06
-#        gemm gemmlt allreduce tp_parity bench8tp2nccl sweep bench06best
+#        gemm gemmlt allreduce tp_parity bench8tp2nccl sweep bench06best layout
 # (default: env kernels parity bench06 profile06 bench8). online06 needs fastapi/uvicorn: carry .whl and
 # start the command with the wheel install from the device README.
 # Logs go to $OUT (or ./gpu_out); each step has its own time limit and a failure doesn't stop the rest.
@@ -38,6 +38,7 @@ for s in $steps; do
     bench8) TAIL=40 run bench8 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-}" --step-log "$OUT/steps8.json" --gpu-idle ;;
     bench8tp2) TAIL=40 run bench8tp2 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --tensor-parallel-size 2 --json "$OUT/bench.jsonl" --label "${LABEL:-} tp2" --step-log "$OUT/steps8tp2.json" ;;
     online06) TAIL=40 run online06 400 python3 benchmarks/online_bench.py --model benchmarks/models/qwen3-0.6b --load-format dummy --max-model-len 4096 --rates "${RATES:-16,64,inf}" --output "$OUT/online06.json" ;;
+    layout) TAIL=60 run layout 300 python3 benchmarks/decode_layout.py ;;
     sweep) TAIL=40 run sweep 300 python3 benchmarks/decode_sweep.py --out "$OUT/best_decode.txt" ;;
     bench06best) TAIL=20 NANOVLLM_DECODE_ATTN=$(cat "$OUT/best_decode.txt") run bench06best 300 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-0.6b --load-format dummy --json "$OUT/bench.jsonl" --label "decode cfg $(cat "$OUT/best_decode.txt")" ;;
     *) echo "unknown step $s" ;;

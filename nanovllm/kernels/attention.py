@@ -172,11 +172,18 @@ def _decode_kernel(
     stride_kb, stride_ks, stride_kh, stride_bt,
     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    # HEADS_FIRST: grid (Hkv, B, splits), so the programs of one sequence's KV heads are launched together
+    if HEADS_FIRST:
+        kvh = tl.program_id(0)
+        b = tl.program_id(1)
+        H = tl.num_programs(0) * G
+    else:
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        H = tl.num_programs(1) * G
     split = tl.program_id(2)
-    H = tl.num_programs(1) * G
     seq_len = tl.load(SEQ_LENS + b).to(tl.int32)
     # each sequence's own length is split evenly (in whole tiles) over the NUM_SPLITS programs
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -365,16 +372,19 @@ def _decode_block_n(D: int, dtype=torch.bfloat16) -> int:
     return 64 if D <= 128 and dtype != torch.float32 else 32
 
 
-def _decode_launch(D: int, dtype) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of the decode kernel. NANOVLLM_DECODE_ATTN="BLOCK_N,WARPS,STAGES"
-    overrides it (for tuning sweeps: benchmarks/decode_sweep.py)."""
+def _decode_launch(D: int, dtype) -> tuple[int, int, int, bool]:
+    """(BLOCK_N, num_warps, num_stages, heads_first) of the decode kernel. NANOVLLM_DECODE_ATTN=
+    "BLOCK_N,WARPS,STAGES[,HEADS_FIRST]" overrides it (for tuning sweeps: benchmarks/decode_sweep.py)."""
     env = os.environ.get("NANOVLLM_DECODE_ATTN")
     if env:
-        bn, w, st = (int(x) for x in env.split(","))
-        return bn, w, st
+        f = [int(x) for x in env.split(",")]
+        if len(f) not in (3, 4):
+            raise ValueError(f"NANOVLLM_DECODE_ATTN must be 'BLOCK_N,WARPS,STAGES[,HEADS_FIRST]', got {env!r}")
+        return f[0], f[1], f[2], bool(f[3]) if len(f) == 4 else True
+    # heads first: +2-3% bandwidth on an H200 for every config tried (benchmarks/decode_layout.py, RESULTS run 14)
     if D <= 128 and dtype != torch.float32:
-        return 128, 4, 3  # best of a sweep on an H200 (benchmarks/decode_sweep.py, benchmarks/RESULTS.md)
-    return _decode_block_n(D, dtype), 4, 2
+        return 128, 4, 3, True  # best of a sweep on an H200 (benchmarks/decode_sweep.py, benchmarks/RESULTS.md)
+    return _decode_block_n(D, dtype), 4, 2, True
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
@@ -427,15 +437,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"{fn}: num_splits must be >= 1, got {num_splits}")
     G = H // Hkv
     BLOCK_G = max(16, next_pow2(G))  # tl.dot needs M >= 16; padded rows are masked
-    BLOCK_N, warps, stages = _decode_launch(D, q.dtype)
+    BLOCK_N, warps, stages, heads_first = _decode_launch(D, q.dtype)
     prec = _dot_precision(q.dtype)
     common = dict(G=G, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, HEAD_DIM=D, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
-                  PREC=prec, UPCAST=_upcast_dots(q.dtype), num_warps=warps, num_stages=stages)
+                  PREC=prec, UPCAST=_upcast_dots(q.dtype), HEADS_FIRST=heads_first, num_warps=warps,
+                  num_stages=stages)
+    grid = (Hkv, B, num_splits) if heads_first else (B, Hkv, num_splits)
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
     qk_scale = float(scale) * _LOG2E
     if num_splits == 1:
-        _decode_kernel[(B, Hkv, 1)](q, k_cache, v_cache, out, out, out, seq_lens, block_tables, qk_scale,
+        _decode_kernel[grid](q, k_cache, v_cache, out, out, out, seq_lens, block_tables, qk_scale,
                                     *strides, **common)
         return out
     need = decode_workspace_numel(B, H, D, num_splits)
@@ -448,7 +460,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     workspace = workspace.view(-1)
     part_o = workspace[: B * H * num_splits * D]
     part_lse = workspace[B * H * num_splits * D: need]
-    _decode_kernel[(B, Hkv, num_splits)](q, k_cache, v_cache, out, part_o, part_lse, seq_lens, block_tables,
+    _decode_kernel[grid](q, k_cache, v_cache, out, part_o, part_lse, seq_lens, block_tables,
                                          qk_scale, *strides, **common)
     _decode_reduce_kernel[(B, H)](part_o, part_lse, out, out.stride(0), out.stride(1),
                                   NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits), HEAD_DIM=D,

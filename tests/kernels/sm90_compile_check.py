@@ -80,7 +80,8 @@ def check(dt: str) -> None:
             build(attention._decode_kernel, {**ptrs, "PART_O": "*fp32", "PART_LSE": "*fp32", "SEQ_LENS": "*i32",
                                              "BT": "*i32", "qk_scale": "fp32"},
                   dict(G=G, BLOCK_G=max(16, g_pad), BLOCK_N=attention._decode_block_n(D, dtype), HEAD_DIM=D,
-                       BLOCK_SIZE=bs, NUM_SPLITS=splits, PREC=prec, UPCAST=False), num_warps=4, num_stages=2)
+                       BLOCK_SIZE=bs, NUM_SPLITS=splits, PREC=prec, UPCAST=False, HEADS_FIRST=splits == 1),
+                  num_warps=4, num_stages=2)
         build(attention._decode_reduce_kernel, {"PART_O": "*fp32", "PART_LSE": "*fp32", "Out": f"*{dt}"},
               dict(NUM_SPLITS=8, SPLITS_PAD=8, HEAD_DIM=D), num_warps=4)
     build(kvcache._store_kvcache_kernel, {"K": f"*{dt}", "V": f"*{dt}", "KC": f"*{dt}", "VC": f"*{dt}",

@@ -153,6 +153,25 @@ def test_decode(device, block_size, H, Hkv, D, dtype, num_splits):
     assert (out[2] == 0).all()
 
 
+@pytest.mark.parametrize("heads_first", [0, 1])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_grid_orders(device, monkeypatch, heads_first, num_splits):
+    # both program orders (sequence-major and heads-first) index the same (sequence, KV head) pairs
+    monkeypatch.setenv("NANOVLLM_DECODE_ATTN", f"32,4,2,{heads_first}")
+    batch = make_batch(DECODE, 6, 3, 32, 16, torch.float32, device, seed=11 + heads_first)
+    out = paged_decode_attention(batch["q"], batch["k_cache"], batch["v_cache"], batch["seq_lens"],
+                                 batch["block_tables"], 0.3, num_splits=num_splits)
+    torch.testing.assert_close(out, reference(batch, 0.3), **TOL[torch.float32])
+
+
+def test_decode_launch_override_checked(device, monkeypatch):
+    monkeypatch.setenv("NANOVLLM_DECODE_ATTN", "32,4")
+    batch = make_batch(DECODE, 2, 1, 16, 16, torch.float32, device)
+    with pytest.raises(ValueError, match="NANOVLLM_DECODE_ATTN"):
+        paged_decode_attention(batch["q"], batch["k_cache"], batch["v_cache"], batch["seq_lens"],
+                               batch["block_tables"], 0.3)
+
+
 def test_decode_many_splits_and_workspace(device):
     # more splits than some sequences have tiles (empty splits), a caller-provided (oversized) workspace
     batch = make_batch(DECODE, 4, 2, 32, 16, torch.float32, device, seed=5, strided=True)
