@@ -7,12 +7,15 @@ gemm: per linear layer of Qwen3-8B (TP=1 and the TP=2 shard), microseconds per c
 and the sum over one decode step (36 layers + LM head).
 allreduce: eager and CUDA-graph-captured all-reduce of a (M, 4096) bf16 tensor through NCCL, and through
 torch's symmetric-memory one-shot / two-shot kernels (peer-to-peer loads over NVLink; no multicast) when
-they are available.
+they are available; and the engine's two-shot + add/RMSNorm against the all-reduce fused into the norm kernel
+(``SymmMemAllReduce.add_rms_norm_``), with the fused result's max difference from NCCL + norm.
 """
 from __future__ import annotations
 
 import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
@@ -78,6 +81,11 @@ def _ar_worker(rank, world, port, q):
         symm = buf
     except Exception as e:  # noqa: BLE001 - report and go on with NCCL only
         lines.append(f"symm_mem unavailable: {type(e).__name__}: {e}")
+    from nanovllm.distributed.symm_allreduce import SymmMemAllReduce
+    from nanovllm.kernels.norm import add_rms_norm
+    reducer = SymmMemAllReduce.maybe_create(dist.group.WORLD, rank, world, 8192 * HID, torch.bfloat16,
+                                            torch.device("cuda", rank))
+    lines.append(f"SymmMemAllReduce: {'none' if reducer is None else f'fuse_norm={reducer.fuse_norm}'}")
     for M in (1, 16, 64, 128, 256, 512, 2048, 8192):
         x = torch.randn(M, HID, device="cuda", dtype=torch.bfloat16)
         res = {"nccl": bench(lambda x=x.clone(): dist.all_reduce(x), iters=72)}  # (the copy overflows; x stays)
@@ -102,7 +110,28 @@ def _ar_worker(rank, world, port, q):
                 res["one_shot_max_err"] = float((out.float() - ref.float()).abs().max())
             except Exception as e:  # noqa: BLE001
                 res["one_shot_max_err"] = f"{type(e).__name__}"
-        parts = [f"{k} {r:.1f}us" if isinstance(r, float) and k != "one_shot_max_err" else f"{k} {r}"
+        if reducer is not None and M <= 8192:
+            # the engine's path: two-shot in the buffer then the add + RMSNorm kernel, vs both fused in one kernel
+            t = reducer.buffer((M, HID), torch.bfloat16)
+            resid = torch.randn(M, HID, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(HID, device="cuda", dtype=torch.bfloat16)
+            t.copy_(x)
+            res["twoshot+norm"] = bench(lambda t=t, r=resid, w=w: add_rms_norm(reducer.all_reduce_(t), r, w, 1e-6),
+                                        iters=72)
+            saved = reducer.fused_max_rows
+            reducer.fused_max_rows = 1 << 30
+            t.copy_(x)
+            res["fused"] = bench(lambda t=t, r=resid, w=w: reducer.add_rms_norm_(t, r, w, 1e-6, add_rms_norm),
+                                 iters=72)
+            t.copy_(x)
+            got = reducer.add_rms_norm_(t, resid, w, 1e-6, add_rms_norm)
+            ref_sum = x.clone()
+            dist.all_reduce(ref_sum)
+            want = add_rms_norm(ref_sum, resid, w, 1e-6)
+            torch.cuda.synchronize()
+            res["fused_max_err"] = max(float((g.float() - h.float()).abs().max()) for g, h in zip(got, want))
+            reducer.fused_max_rows = saved
+        parts = [f"{k} {r:.1f}us" if isinstance(r, float) and "err" not in k else f"{k} {r}"
                  for k, r in res.items()]
         lines.append(f"M={M:5d} ({M * HID * 2 / 1e6:6.2f} MB): " + ", ".join(parts))
     if rank == 0:

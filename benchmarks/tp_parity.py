@@ -5,8 +5,10 @@
 Tiny random Qwen3 checkpoint, 16 prompts x 32 greedy tokens:
 * float32: TP=2 (symmetric-memory all-reduce) vs TP=1 — the same tokens are expected (the reduction order of
   the row-parallel layers differs, so a rare near-tie could flip; the count is printed);
-* bfloat16: TP=2 with the symmetric-memory all-reduce vs TP=2 with NCCL (NANOVLLM_ALLREDUCE=nccl): a sum of
-  two partials rounds the same either way, so the tokens must be identical.
+* bfloat16: TP=2 with the symmetric-memory all-reduce (fused into the norms) vs TP=2 with NCCL
+  (NANOVLLM_ALLREDUCE=nccl) and vs the unfused two-shot kernel (=twoshot): a sum of two partials rounds the
+  same either way, so the tokens must be identical;
+* the same with seeded sampling at temperature 0.6 (TP=2 samples per vocabulary shard).
 """
 from __future__ import annotations
 
@@ -21,13 +23,14 @@ from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.utils.tiny_model import build_tiny_checkpoint  # noqa: E402
 
 
-def run(path, dtype, tp, allreduce="auto"):
+def run(path, dtype, tp, allreduce="auto", temperature=0.0):
     os.environ["NANOVLLM_ALLREDUCE"] = allreduce
     rng = random.Random(0)
     prompts = [[rng.randrange(480) for _ in range(rng.randint(1, 600))] for _ in range(16)]
     llm = LLM(path, dtype=dtype, tensor_parallel_size=tp, kvcache_block_size=16, max_num_seqs=64)
     try:
-        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
+        sp = SamplingParams(temperature=temperature, seed=1234, max_tokens=32)
+        outs = llm.generate(prompts, sp, use_tqdm=False)
     finally:
         llm.shutdown()
     return [o["token_ids"] for o in outs]
@@ -45,6 +48,13 @@ def main():
                                  num_heads=8, num_kv_heads=2, head_dim=128, intermediate_size=1024)
     ok = compare("float32 TP=2 (symm) vs TP=1", run(path, "float32", 2), run(path, "float32", 1))
     ok &= compare("bfloat16 TP=2 symm vs TP=2 nccl", run(path, "bfloat16", 2), run(path, "bfloat16", 2, "nccl"))
+    ok &= compare("bfloat16 TP=2 symm+fused norm vs two-shot", run(path, "bfloat16", 2),
+                  run(path, "bfloat16", 2, "twoshot"))
+    # seeded sampling at T=0.6: TP=2 samples per vocabulary shard, TP=1 over the whole row
+    ok &= compare("float32 T=0.6 TP=2 vs TP=1", run(path, "float32", 2, temperature=0.6),
+                  run(path, "float32", 1, temperature=0.6))
+    ok &= compare("bfloat16 T=0.6 TP=2 symm vs nccl", run(path, "bfloat16", 2, temperature=0.6),
+                  run(path, "bfloat16", 2, "nccl", temperature=0.6))
     print("OK" if ok else "MISMATCH")
 
 

@@ -39,19 +39,42 @@ class TPGroup:
         """Sum a tensor obtained from ``reduce_buffer`` over the ranks, in place."""
         return self.reducer.all_reduce_(buf)
 
-    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
-        """Concatenate each rank's x along the last dim, rank order.
+    def all_reduce_add_norm(self, partial: torch.Tensor, residual: torch.Tensor, norm) -> tuple[torch.Tensor,
+                                                                                               torch.Tensor]:
+        """``norm(sum over the ranks of partial, residual)`` -> (normed, new residual), for an RMSNorm module
+        ``norm`` and a row-parallel layer's unreduced output ``partial`` (``forward(x, reduce=False)``).
 
-        One collective into a single (size * rows, cols) buffer (the layout both NCCL and gloo accept),
-        then a transpose of the rank axis next to the last dim."""
+        With two ranks, the symmetric-memory reducer and the Triton norm, the reduction runs inside the norm
+        kernel (``SymmMemAllReduce.add_rms_norm_``); otherwise it is an all-reduce followed by the norm."""
         if self.size == 1:
-            return x
+            return norm(partial, residual)
+        r = self.reducer
+        fused = getattr(norm, "fused", None)
+        if r is not None and fused is not None and r.can_fuse_norm(partial):
+            return r.add_rms_norm_(partial, residual, norm.weight, norm.eps, fused.add_rms_norm)
+        summed = self.all_reduce_buffer(partial) if r is not None and r.owns(partial) else self.all_reduce(partial)
+        return norm(summed, residual)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Stack each rank's x (same shape and dtype on every rank) along a new first dim, rank order:
+        (size, *x.shape).
+
+        One collective into a single (size * rows, ...) buffer (the layout both NCCL and gloo accept)."""
+        if self.size == 1:
+            return x.unsqueeze(0)
         import torch.distributed as dist
         x = x.contiguous()
         out = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         gather(out, x, group=self.group)
-        out = out.view(self.size, *x.shape).movedim(0, -2)      # (..., size, cols)
+        return out.view(self.size, *x.shape)
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate each rank's x along the last dim, rank order: ``all_gather``, then a transpose of the
+        rank axis next to the last dim."""
+        if self.size == 1:
+            return x
+        out = self.all_gather(x).movedim(0, -2)                  # (..., size, cols)
         return out.reshape(*x.shape[:-1], self.size * x.shape[-1])
 
 

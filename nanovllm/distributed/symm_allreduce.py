@@ -12,6 +12,20 @@ in place and hands the buffer on. A result stays valid until the next-but-one re
 the decoder (each reduced tensor is consumed by the norm right after it). Anything it can't take (another
 dtype, a size that doesn't fit or isn't 16-byte divisible per rank) goes through NCCL, as does everything
 when ``NANOVLLM_ALLREDUCE=nccl``.
+
+Two ranks: fused with the norm after it
+---------------------------------------
+Every all-reduce in the decoder is followed by a residual add and an RMSNorm. With two ranks the reduction is
+folded into that norm instead (``add_rms_norm_``): one barrier (each rank's partial is written), then the norm
+kernel reads this rank's partial and the peer's through its peer mapping, adds them and the residual, normalizes
+and writes the result locally. That replaces the two-shot kernel (two barriers, a reduce-scatter and an
+all-gather over NVLink) plus the separate norm kernel with one barrier and one kernel; both ranks compute the
+same sum (a + b is commutative in IEEE arithmetic) and so the same bits. Used for at most ``fused_max_rows``
+rows (decode steps and small prefills); ``NANOVLLM_ALLREDUCE=twoshot`` turns it off.
+
+Why one barrier is enough: a rank writes a buffer again only two reductions later, after the barrier of the
+reduction in between, which the peer passes only after its norm kernel that read the buffer has finished
+(kernels on one stream run in order).
 """
 from __future__ import annotations
 
@@ -24,20 +38,26 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+_CHOICES = ("auto", "twoshot", "nccl")
+
+
 class SymmMemAllReduce:
     def __init__(self, group, rank: int, world_size: int, max_numel: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, fuse_norm: bool = True, fused_max_rows: int = 1024):
         import torch.distributed._symmetric_memory as symm_mem
         self.group_name = group.group_name
+        self.rank = rank
         self.world_size = world_size
         self.dtype = dtype
         self.max_numel = max_numel
-        self.bufs = []
+        self.bufs, self.handles = [], []
         for _ in range(2):
             buf = symm_mem.empty(max_numel, dtype=dtype, device=device)
-            symm_mem.rendezvous(buf, self.group_name)
+            self.handles.append(symm_mem.rendezvous(buf, self.group_name))
             self.bufs.append(buf)
         self._next = 0
+        self.fuse_norm = fuse_norm and world_size == 2
+        self.fused_max_rows = fused_max_rows
         # self-test: every rank contributes rank + 1
         t = self.buffer((world_size * 8,), dtype)
         t.fill_(rank + 1)
@@ -45,6 +65,24 @@ class SymmMemAllReduce:
         want = world_size * (world_size + 1) / 2
         if not bool((t == want).all()):
             raise RuntimeError(f"symmetric-memory all-reduce self-test gave {t[:4].tolist()}, want {want}")
+        if self.fuse_norm:
+            self._self_test_fused(rank, device)
+
+    def _self_test_fused(self, rank: int, device: torch.device) -> None:
+        """rank r contributes r + 1 to a (4, 64) tensor; with a zero residual the new residual must be 3."""
+        try:
+            from nanovllm.kernels.norm import add_rms_norm
+            t = self.buffer((4, 64), self.dtype)
+            t.fill_(rank + 1)
+            zeros = torch.zeros(4, 64, dtype=self.dtype, device=device)
+            _, res = self.add_rms_norm_(t, zeros, torch.ones(64, dtype=self.dtype, device=device), 1e-6,
+                                        add_rms_norm)
+            ok = bool((res == 3).all())
+        except Exception as e:  # noqa: BLE001 - the unfused two-shot path still works
+            logger.warning("fused all-reduce + norm unavailable (%s: %s); using two-shot", type(e).__name__, e)
+            ok = False
+        if not ok:
+            self.fuse_norm = False
 
     @classmethod
     def maybe_create(cls, group, rank: int, world_size: int, max_numel: int, dtype: torch.dtype,
@@ -52,14 +90,14 @@ class SymmMemAllReduce:
         """The reducer, or None (NCCL then does every all-reduce) when it is off, unsupported or failing.
         Every rank must call this at the same point: building it is collective."""
         choice = os.environ.get("NANOVLLM_ALLREDUCE", "auto")
-        if choice not in ("auto", "nccl"):
-            raise ValueError(f"NANOVLLM_ALLREDUCE must be 'auto' or 'nccl', got {choice!r}")
+        if choice not in _CHOICES:
+            raise ValueError(f"NANOVLLM_ALLREDUCE must be one of {_CHOICES}, got {choice!r}")
         if choice == "nccl":
             return None
         if device.type != "cuda" or world_size < 2 or dtype not in (torch.bfloat16, torch.float32):
             return None
         try:
-            return cls(group, rank, world_size, max_numel, dtype, device)
+            return cls(group, rank, world_size, max_numel, dtype, device, fuse_norm=choice == "auto")
         except Exception as e:  # noqa: BLE001 - any failure here means "use NCCL"
             logger.warning("symmetric-memory all-reduce unavailable (%s: %s); using NCCL", type(e).__name__, e)
             return None
@@ -81,3 +119,28 @@ class SymmMemAllReduce:
         """Sum ``t`` (a view from ``buffer()``) over the ranks, in place."""
         torch.ops.symm_mem.two_shot_all_reduce_(t, "sum", self.group_name)
         return t
+
+    def _index(self, t: torch.Tensor) -> int | None:
+        """Which buffer ``t`` is a view from ``buffer()`` of, or None."""
+        for i, buf in enumerate(self.bufs):
+            if t.data_ptr() == buf.data_ptr() and t.is_contiguous():
+                return i
+        return None
+
+    def owns(self, t: torch.Tensor) -> bool:
+        return self._index(t) is not None
+
+    def can_fuse_norm(self, t: torch.Tensor) -> bool:
+        """Whether ``add_rms_norm_`` can take ``t`` (2-D, from ``buffer()``, few enough rows)."""
+        return self.fuse_norm and t.dim() == 2 and t.shape[0] <= self.fused_max_rows and self.owns(t)
+
+    def add_rms_norm_(self, t: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                      add_rms_norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """``add_rms_norm(sum over the two ranks of t, residual, weight, eps)`` -> (normed, new residual), the
+        reduction fused into the norm kernel (``add_rms_norm(x, residual, weight, eps, peer=...)``, the
+        Triton kernel). ``t`` must pass ``can_fuse_norm``."""
+        i = self._index(t)
+        handle = self.handles[i]
+        peer = handle.get_buffer(1 - self.rank, tuple(t.shape), t.dtype)
+        handle.barrier(channel=0)
+        return add_rms_norm(t, residual, weight, eps, peer=peer)

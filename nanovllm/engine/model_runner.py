@@ -48,7 +48,8 @@ class ModelRunner:
         self.model = self._load_model()
         self.load_seconds = time.perf_counter() - t0
         self.backend = get_attention_backend(config.attention_backend)
-        self.sampler = Sampler()
+        # under TP the sampler gets this rank's logits slice and gathers only what the step needs
+        self.sampler = Sampler(vocab_shard=self.model.lm_head.vocab_shard() if self.tp.size > 1 else None)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         if config.attention_backend == "triton" and self.device.type == "cuda":
             self._install_fused_ops()
@@ -105,6 +106,7 @@ class ModelRunner:
                 m.act = ops.silu_and_mul
         install_fused_qkv(self.model, ops.qkv_norm_rope_store)
         self.sampler.fused_sample = ops.sample
+        self.sampler.fused_partial = ops.sample_partial
 
     def kv_bytes_per_block(self) -> int:
         m = self.config.model
@@ -223,7 +225,7 @@ class ModelRunner:
         meta = AttentionMetadata(v["slots"], self.g_cu[:bs + 1], v["seq_lens"], v["tables"].view(bs, self.graph_width),
                                  max_seqlen_q=1, is_decode=True)
         ids = torch.where(v["src"] >= 0, self.sampled_buf[v["src"].clamp(min=0)], v["ids"])
-        return self.model.compute_logits(self.model(ids, v["pos"], meta))      # (bs, vocab)
+        return self.model.compute_logits(self.model(ids, v["pos"], meta), gather=self.tp.size == 1)  # (bs, V | shard)
 
     # --- one step ----------------------------------------------------------------------------------
     def _sampling_from(self, v: dict, sb: SamplingBatch) -> SamplingTensors:
@@ -252,7 +254,7 @@ class ModelRunner:
             bs = self.graph_sizes[bisect.bisect_left(self.graph_sizes, n)]
             v = self.staging.upload(batch, self.graph_layouts[bs], self.g_stage)
             self.graphs[bs].replay()
-            logits = self.g_logits[bs][:n]                                     # (B, vocab); every row samples
+            logits = self.g_logits[bs][:n]                                     # (B, vocab | shard); all sample
         else:
             width = max((len(t) for t in batch.block_tables), default=1)
             v = self.staging.upload(batch, Layout.make(batch.num_tokens, n, width, S, len(batch.sampling.banned)))
@@ -264,9 +266,10 @@ class ModelRunner:
             hidden = self.model(ids, v["pos"], meta)                           # (T, hidden)
             if not S:
                 return PendingStep(sampled=None, rank=self.tp.rank)
-            logits = self.model.compute_logits(hidden[v["last"]])              # (S, vocab)
-        # every rank has the full logits and sampling is a pure function of them and the seeds, so every rank
-        # samples the same ids: each keeps them on its device for the next step's placeholder inputs
+            logits = self.model.compute_logits(hidden[v["last"]], gather=self.tp.size == 1)  # (S, vocab | shard)
+        # sampling is a pure function of the full logits and the seeds; under TP every rank holds its vocabulary
+        # shard and the sampler exchanges per-row partials (or gathers the logits), so every rank samples the same
+        # ids: each keeps them on its device for the next step's placeholder inputs
         out = self.sampler(logits, self._sampling_from(v, batch.sampling))
         self.sampled_buf[:S].copy_(out.token_ids)
         if self.tp.rank != 0:

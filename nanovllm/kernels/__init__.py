@@ -10,10 +10,13 @@ Public kernels (each mirrors a torch reference elsewhere in the package):
   out=None)``                                                             -> (T, H, D)
 * ``paged_decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, out=None, *, num_splits=None,
   workspace=None)``                                                       -> (B, H, D)
-* ``rms_norm(x, weight, eps)``, ``add_rms_norm(x, residual, weight, eps)`` -> normed / (normed, x + residual)
+* ``rms_norm(x, weight, eps)``, ``add_rms_norm(x, residual, weight, eps, peer=None)`` -> normed / (normed,
+  x + residual); with ``peer``, x + peer stands for x (a two-rank all-reduce fused into the norm)
 * ``silu_and_mul(x)``                                                     -> (..., I)
 * ``apply_rotary(q, k, positions, cos_sin_cache)``                        -> (q_rot, k_rot) (in place by default)
 * ``sample(logits, temperatures, seeds, steps, out=None)``                -> (B,) int64 (Gumbel-max, no filters)
+* ``sample_partial(logits, temperatures, seeds, steps, vocab_start=0)``  -> ((B,) float32 best scores, (B,) int64
+  global ids) over a vocabulary slice (reference ``nanovllm.layers.sampler.sample_partial_ref``)
 * ``qkv_norm_rope_store(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps, k_cache, v_cache,
   slot_mapping, num_heads, num_kv_heads, head_dim, q_out=None)``          -> (T, H, D) q; k/v into the cache
   (QK-norm + RoPE + KV store in one launch; reference ``nanovllm.layers.fused_qkv_ref``)
@@ -28,7 +31,8 @@ import importlib.util
 __all__ = [
     "TritonOps", "triton_available",
     "store_kvcache", "paged_prefill_attention", "paged_decode_attention", "decode_workspace_numel",
-    "rms_norm", "add_rms_norm", "silu_and_mul", "apply_rotary", "sample", "qkv_norm_rope_store",
+    "rms_norm", "add_rms_norm", "silu_and_mul", "apply_rotary", "sample", "sample_partial",
+    "qkv_norm_rope_store",
 ]
 
 # public name -> submodule that defines it
@@ -42,6 +46,7 @@ _LAZY = {
     "silu_and_mul": "activation",
     "apply_rotary": "rotary",
     "sample": "sampling",
+    "sample_partial": "sampling",
     "qkv_norm_rope_store": "fused_qkv",
 }
 
@@ -94,13 +99,14 @@ class TritonOps:
         self._prefill = _load("paged_prefill_attention")
         self._decode = _load("paged_decode_attention")
         self._sample = _load("sample")
+        self._sample_partial = _load("sample_partial")
         self._qkv_norm_rope_store = _load("qkv_norm_rope_store")
 
     def rms_norm(self, x, weight, eps):
         return self._rms_norm(x, weight, eps)
 
-    def add_rms_norm(self, x, residual, weight, eps):
-        return self._add_rms_norm(x, residual, weight, eps)
+    def add_rms_norm(self, x, residual, weight, eps, peer=None):
+        return self._add_rms_norm(x, residual, weight, eps, peer=peer)
 
     def apply_rotary(self, q, k, positions, cos_sin_cache):
         return self._apply_rotary(q, k, positions, cos_sin_cache)
@@ -121,6 +127,9 @@ class TritonOps:
 
     def sample(self, logits, temperatures, seeds, steps, out=None):
         return self._sample(logits, temperatures, seeds, steps, out=out)
+
+    def sample_partial(self, logits, temperatures, seeds, steps, vocab_start=0):
+        return self._sample_partial(logits, temperatures, seeds, steps, vocab_start=vocab_start)
 
     def qkv_norm_rope_store(self, qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps, k_cache,
                             v_cache, slot_mapping, num_heads, num_kv_heads, head_dim, q_out=None):

@@ -35,6 +35,13 @@ Each row's vocabulary is cut into ``num_chunks`` chunks of whole ``BLOCK`` tiles
 kernel reduces the ``(B, num_chunks)`` partials (with one chunk the first kernel writes the token directly). The
 chunk count depends on shapes and the device's SM count only, never on values: no host sync, CUDA-graph safe. The
 tokens do not depend on it.
+
+Vocabulary slices
+-----------------
+``sample_partial`` runs the same kernels on a slice of the vocabulary (one tensor-parallel rank's shard): column
+``j`` is global token ``vocab_start + j``, folded into the hash base (``seed * golden + step * c + vocab_start``
+wraps mod 2^64 exactly like the reference's ``+ token``), and it returns the exact per-row ``(max score, global
+argmax)`` instead of the token, for the ranks to reduce (``nanovllm.layers.sampler.reduce_partials``).
 """
 from __future__ import annotations
 
@@ -191,12 +198,16 @@ def _approx_tile(lrow, s, lanes, end, rcp, base, best, second, best_i, MASKED: t
 # kernels
 # ----------------------------------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["offset"])
 def _sample_chunk_kernel(
-    L, TEMP, SEED, STEP, PART_V, PART_I, OUT, V, chunk_len,
-    stride_l, stride_t, stride_seed, stride_step, stride_out, margin_abs, margin_rel,
+    L, TEMP, SEED, STEP, PART_V, PART_I, OUT, OUT_V, V, offset, chunk_len,
+    stride_l, stride_t, stride_seed, stride_step, stride_out, stride_out_v, margin_abs, margin_rel,
     BLOCK: tl.constexpr, SINGLE: tl.constexpr, FORCE_EXACT: tl.constexpr, GPU: tl.constexpr,
+    PARTIAL: tl.constexpr,
 ):
+    """Column j < V of row ``row`` is global token ``offset + j``: the noise and the ids written are global (the
+    offset is folded into the hash base: ``seed*golden + step*c + offset + j`` wraps alike). PARTIAL also writes
+    the winner's score (OUT_V)."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     start = chunk * chunk_len
@@ -217,6 +228,7 @@ def _sample_chunk_kernel(
         seed = tl.load(SEED + row * stride_seed).to(tl.int64).to(tl.uint64, bitcast=True)
         step = tl.load(STEP + row * stride_step).to(tl.int64).to(tl.uint64, bitcast=True)
         base = seed * 0x9E3779B97F4A7C15 + step * 0xD1B54A32D192ED03
+        base += offset.to(tl.int64).to(tl.uint64, bitcast=True)
         if FORCE_EXACT:
             val, idx = _exact_chunk(lrow, start, end, lanes, t, base, BLOCK, GPU)
         else:
@@ -241,22 +253,27 @@ def _sample_chunk_kernel(
             else:  # near-tie or special values: exact scores for the whole chunk
                 val, idx = _exact_chunk(lrow, start, end, lanes, t, base, BLOCK, GPU)
     if SINGLE:
-        tl.store(OUT + row * stride_out, idx.to(tl.int64))
+        tl.store(OUT + row * stride_out, idx.to(tl.int64) + offset)
+        if PARTIAL:
+            tl.store(OUT_V + row * stride_out_v, val)
     else:
         nc = tl.num_programs(1)
         tl.store(PART_V + row * nc + chunk, val)
         tl.store(PART_I + row * nc + chunk, idx)
 
 
-@triton.jit(do_not_specialize=["num_chunks"])
-def _sample_reduce_kernel(PART_V, PART_I, OUT, num_chunks, stride_out, BLOCK_C: tl.constexpr):
+@triton.jit(do_not_specialize=["num_chunks", "offset"])
+def _sample_reduce_kernel(PART_V, PART_I, OUT, OUT_V, num_chunks, offset, stride_out, stride_out_v,
+                          BLOCK_C: tl.constexpr, PARTIAL: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_C)
     mask = offs < num_chunks
     v = tl.load(PART_V + row * num_chunks + offs, mask=mask, other=float("-inf"))
     i = tl.load(PART_I + row * num_chunks + offs, mask=mask, other=2147483647)
-    _, idx = _argmax_lanes(v, i)
-    tl.store(OUT + row * stride_out, idx.to(tl.int64))
+    val, idx = _argmax_lanes(v, i)
+    tl.store(OUT + row * stride_out, idx.to(tl.int64) + offset)
+    if PARTIAL:
+        tl.store(OUT_V + row * stride_out_v, val)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -289,7 +306,32 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor
             it. ``_force_exact`` skips the filter pass (tests).
     Returns (B,) int64 token ids. CUDA-graph safe: no host sync; launch sizes and allocations depend on shapes only.
     """
-    fn = "sample"
+    return _launch("sample", logits, temperatures, seeds, steps, out, False, None, 0, num_chunks, _force_exact)[0]
+
+
+def sample_partial(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
+                   *, vocab_start: int = 0, out: torch.Tensor | None = None, out_scores: torch.Tensor | None = None,
+                   num_chunks: int | None = None, _force_exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample`` over a slice of the vocabulary, stopped before the choice: ``sample_partial_ref``
+    (``nanovllm.layers.sampler``), i.e. one rank's share of vocabulary-parallel sampling.
+
+    Args:
+        logits: (B, n), as for ``sample``: column j is global token ``vocab_start + j`` (slice a padded tail off).
+        vocab_start: the global id of column 0 (>= 0): the noise and the returned ids are those of the full row.
+        out, out_scores: optional (B,) int64 / float32 output buffers.
+        Others as for ``sample``.
+    Returns ((B,) float32 best scores, (B,) int64 global ids): per row the exact maximum of the scores ``sample``
+    compares (the raw logit for greedy rows) and its first occurrence (NaN counts as the maximum).
+    """
+    if not isinstance(vocab_start, int) or isinstance(vocab_start, bool) or vocab_start < 0:
+        raise ValueError(f"sample_partial: vocab_start must be an int >= 0, got {vocab_start!r}")
+    ids, scores = _launch("sample_partial", logits, temperatures, seeds, steps, out, True, out_scores, vocab_start,
+                          num_chunks, _force_exact)
+    return scores, ids
+
+
+def _launch(fn, logits, temperatures, seeds, steps, out, partial, out_v, offset, num_chunks, force_exact):
+    """Validate and launch: the ids (+ offset) into ``out`` and, when ``partial``, the scores into ``out_v``."""
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise ValueError(f"{fn}: logits must be a (B, V) tensor, got "
                          f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__}")
@@ -298,8 +340,8 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor
     B, V = logits.shape
     if V == 0:
         raise ValueError(f"{fn}: logits have an empty vocabulary (shape {tuple(logits.shape)})")
-    if V >= 2**31 - 2 * BLOCK:
-        raise ValueError(f"{fn}: vocabulary size {V} too large (token ids are int32 inside the kernel)")
+    if offset + V >= 2**31 - 2 * BLOCK:
+        raise ValueError(f"{fn}: vocabulary size {offset + V} too large (token ids are int32 inside the kernel)")
     if logits.stride(1) != 1 and V > 1:
         raise ValueError(f"{fn}: the last dim of logits must be contiguous (stride 1), got strides "
                          f"{tuple(logits.stride())} for shape {tuple(logits.shape)}; call .contiguous() first")
@@ -319,8 +361,15 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor
             got = (tuple(out.shape), out.dtype) if isinstance(out, torch.Tensor) else type(out).__name__
             raise ValueError(f"{fn}: out must be a ({B},) int64 tensor, got {got}")
         check_same_device(logits=logits, out=out)
+    if partial and out_v is None:
+        out_v = torch.empty(B, dtype=torch.float32, device=logits.device)
+    elif partial:
+        if not isinstance(out_v, torch.Tensor) or out_v.shape != (B,) or out_v.dtype != torch.float32:
+            got = (tuple(out_v.shape), out_v.dtype) if isinstance(out_v, torch.Tensor) else type(out_v).__name__
+            raise ValueError(f"{fn}: out_scores must be a ({B},) float32 tensor, got {got}")
+        check_same_device(logits=logits, out_scores=out_v)
     if B == 0:
-        return out
+        return out, out_v
     n_tiles = triton.cdiv(V, BLOCK)
     if num_chunks is None:
         num_chunks = sample_num_chunks(B, V, logits.device)
@@ -335,14 +384,16 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor
     else:
         part_v = torch.empty(B * num_chunks, dtype=torch.float32, device=logits.device)
         part_i = torch.empty(B * num_chunks, dtype=torch.int32, device=logits.device)
+    ov = out_v if partial else out  # unused unless partial
     _sample_chunk_kernel[(B, num_chunks)](
-        logits, temperatures, seeds, steps, part_v, part_i, out, V, per_chunk * BLOCK,
-        logits.stride(0), temperatures.stride(0), seeds.stride(0), steps.stride(0), out.stride(0),
+        logits, temperatures, seeds, steps, part_v, part_i, out, ov, V, offset, per_chunk * BLOCK,
+        logits.stride(0), temperatures.stride(0), seeds.stride(0), steps.stride(0), out.stride(0), ov.stride(0),
         _MARGIN_ABS, _MARGIN_REL,
-        BLOCK=BLOCK, SINGLE=single, FORCE_EXACT=bool(_force_exact), GPU=not _interpreting(),
+        BLOCK=BLOCK, SINGLE=single, FORCE_EXACT=bool(force_exact), GPU=not _interpreting(), PARTIAL=partial,
         num_warps=NUM_WARPS,
     )
     if not single:
-        _sample_reduce_kernel[(B,)](part_v, part_i, out, num_chunks, out.stride(0),
-                                    BLOCK_C=next_pow2(triton.cdiv(V, BLOCK)), num_warps=1)  # one variant per V
-    return out
+        _sample_reduce_kernel[(B,)](part_v, part_i, out, ov, num_chunks, offset, out.stride(0), ov.stride(0),
+                                    BLOCK_C=next_pow2(triton.cdiv(V, BLOCK)), PARTIAL=partial,
+                                    num_warps=1)  # one variant per V
+    return out, out_v

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.distributed.group import TPGroup
+from nanovllm.layers.sampler import VocabShard
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -36,11 +37,20 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Hidden states -> full-vocabulary logits on every rank, in the model's dtype: the sampler reads them as
-    float32 (exactly) in its fused kernel, and converts them itself where it needs a float32 copy."""
+    """Hidden states -> logits in the model's dtype: the sampler reads them as float32 (exactly) in its fused
+    kernel, and converts them itself where it needs a float32 copy.
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    ``forward(hidden)`` gives the full-vocabulary logits on every rank (an all-gather under TP);
+    ``forward(hidden, gather=False)`` this rank's (N, shard_size) slice, padding included, which the sampler
+    reduces across ranks itself (``vocab_shard()`` describes it)."""
+
+    def forward(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor:
         logits = F.linear(hidden, self.weight)
+        if not gather:
+            return logits
         if self.tp.size > 1:
             logits = self.tp.all_gather_last_dim(logits)
         return logits[..., :self.vocab_size]
+
+    def vocab_shard(self) -> VocabShard:
+        return VocabShard(self.tp, self.vocab_start, self.shard_size, self.vocab_size)

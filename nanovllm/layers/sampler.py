@@ -7,6 +7,12 @@ U_i comes from a counter-based hash of (request seed, output position, token id)
 pure function of its seed and its logits, whatever else is in the batch. Requests without a seed get one
 from the engine's RNG. `sample_ref` is the reference; on CUDA a fused Triton kernel computes the same
 thing in one pass over the logits when no top-k / top-p / min-p filter is asked for.
+
+Under tensor parallelism each rank holds the logits of its slice of the vocabulary (`VocabShard`). When the step
+needs no full-vocabulary view (no filter, no logprobs), each rank computes the exact (best score, global argmax)
+of its slice per row (`sample_partial_ref`, or the kernel), the ranks all-gather these (B, 2) partials and every
+rank reduces them alike (`reduce_partials`): the ids of the full-logits path, without gathering the logits.
+Otherwise the logits are gathered and sampled as with one rank.
 """
 from __future__ import annotations
 
@@ -14,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from nanovllm.distributed.group import TPGroup
 
 
 def _i64(x: int) -> int:
@@ -26,13 +34,14 @@ _MIX2 = _i64(0x94D049BB133111EB)
 _STEP = _i64(0xD1B54A32D192ED03)
 
 
-def hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """(B,) int64 seeds and output positions -> (B, vocab_size) float32 uniforms in (0, 1).
+def hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int, start: int = 0) -> torch.Tensor:
+    """(B,) int64 seeds and output positions -> (B, vocab_size) float32 uniforms in (0, 1), for the tokens
+    start .. start + vocab_size - 1 (a slice of the vocabulary has the same noise as in the full row).
 
     splitmix64 of seed * golden + step * c + token, top 23 bits: a pure function of its three inputs.
     Shifts are arithmetic on int64, so each is masked to act as a logical shift.
     """
-    tok = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    tok = torch.arange(start, start + vocab_size, device=seeds.device, dtype=torch.int64)
     x = (seeds.long() * _GOLDEN + steps.long() * _STEP)[:, None] + tok[None, :]  # (B, V), wraps mod 2^64
     x = x ^ ((x >> 30) & ((1 << 34) - 1))
     x = x * _MIX1
@@ -62,6 +71,25 @@ class SamplingTensors:
     max_logprobs: int | None      # largest `logprobs` requested in the batch (None: nobody asked)
 
 
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's slice of the vocabulary under tensor parallelism: columns [0, size) of its logits are the
+    global tokens [start, start + size); those >= vocab_size are padding (the last shard's tail)."""
+    tp: TPGroup
+    start: int
+    size: int
+    vocab_size: int
+
+    @property
+    def valid(self) -> int:
+        """Columns that are real tokens (0 on a tail rank that holds only padding)."""
+        return max(0, min(self.size, self.vocab_size - self.start))
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """(B, size) shard logits -> (B, vocab_size) full logits, on every rank."""
+        return self.tp.all_gather_last_dim(local)[:, :self.vocab_size]
+
+
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor                      # (B,) int64
@@ -87,15 +115,69 @@ def sample_ref(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Te
     return torch.where(greedy, logits.argmax(dim=-1), ids)
 
 
+def sample_partial_ref(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
+                       vocab_start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_ref` (no filters) over a slice of the vocabulary, stopped before the choice.
+
+    logits: (B, n) float32, the global tokens vocab_start .. vocab_start + n - 1 (padding sliced off). Returns
+    (B,) float32 best scores and (B,) int64 global ids of their first occurrence: the raw logit for greedy rows
+    (T <= 0), logit / T + gumbel(seed, step, global id) otherwise, compared like torch.argmax (NaN above all)."""
+    B, n = logits.shape
+    if n == 0:
+        return (torch.full((B,), float("-inf"), device=logits.device),
+                torch.full((B,), vocab_start, dtype=torch.int64, device=logits.device))
+    greedy = temperatures <= 0
+    x = logits / torch.where(greedy, torch.ones_like(temperatures), temperatures)[:, None]
+    gumbel = -torch.log(-torch.log(hash_uniform(seeds, steps, n, vocab_start)))
+    scores = torch.where(greedy[:, None], logits, x + gumbel)                    # (B, n)
+    idx = scores.argmax(dim=-1)
+    return scores.gather(1, idx[:, None]).squeeze(1), idx + vocab_start
+
+
+def reduce_partials(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """(R, B) per-slice best scores and global ids, slices in vocabulary order -> (B,) ids of the full row.
+
+    torch.argmax over the slices gives the first maximum, NaN above all: with each slice's partial being its
+    own first maximum (or first NaN), that is the full row's argmax (ties to the lowest global id)."""
+    k = scores.argmax(dim=0)                                                      # (B,) winning slice
+    return ids.gather(0, k[None]).squeeze(0)
+
+
+def _ban_in_shard(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, start: int) -> None:
+    """logits[rows[i], tokens[i] - start] = -inf for the banned (row, global token) pairs inside this shard, in
+    place and without a host sync: the pairs of other shards are written to a spare column of the mask."""
+    B, n = logits.shape
+    local = tokens - start
+    mine = (local >= 0) & (local < n)
+    hit = torch.zeros(B, n + 1, dtype=torch.bool, device=logits.device)
+    hit[rows, torch.where(mine, local, torch.full_like(local, n))] = True
+    logits.masked_fill_(hit[:, :n], float("-inf"))
+
+
 class Sampler(nn.Module):
-    def __init__(self, fused_sample=None):
+    def __init__(self, fused_sample=None, vocab_shard: VocabShard | None = None, fused_partial=None):
         super().__init__()
-        self.fused_sample = fused_sample  # Triton kernel (CUDA): same as sample_ref without filters
+        self.fused_sample = fused_sample    # Triton kernel (CUDA): same as sample_ref without filters
+        self.fused_partial = fused_partial  # Triton kernel (CUDA): same as sample_partial_ref
+        self.vocab_shard = vocab_shard      # set under tensor parallelism: forward gets this rank's logits slice
+
+    @staticmethod
+    def needs_full_vocab(t: SamplingTensors) -> bool:
+        """True when the step can't be sampled from vocabulary slices: a filter or logprobs need whole rows."""
+        return t.need_top_k or t.need_top_p or t.need_min_p or t.max_logprobs is not None
 
     @torch.no_grad()
     def forward(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         """logits: (B, V), any float dtype (modified in place); sampling works on their float32 values (an exact
-        conversion), so the tokens don't depend on it. Returns the sampled ids and requested logprobs."""
+        conversion), so the tokens don't depend on it. Returns the sampled ids and requested logprobs.
+
+        With a `vocab_shard`, logits are this rank's (B, shard size) slice (padding included) and every rank
+        must call this with the same batch (collectives): the ids are those of the full logits."""
+        shard = self.vocab_shard
+        if shard is not None:
+            if not self.needs_full_vocab(t):
+                return SamplerOutput(token_ids=self._sample_sharded(logits, t, shard))
+            logits = shard.gather(logits)
         if t.banned_rows is not None:
             logits[t.banned_rows, t.banned_tokens] = float("-inf")
         out = SamplerOutput(token_ids=torch.empty(0))
@@ -115,6 +197,25 @@ class Sampler(nn.Module):
             if t.max_logprobs > 0:
                 out.top_logprobs, out.top_ids = logp.topk(t.max_logprobs, dim=-1)
         return out
+
+    def _sample_sharded(self, logits: torch.Tensor, t: SamplingTensors, shard: VocabShard) -> torch.Tensor:
+        """Each rank's exact partial (best score, global id) per row, one all-gather of those (B, 2), the same
+        reduction on every rank."""
+        if t.banned_rows is not None:
+            _ban_in_shard(logits, t.banned_rows, t.banned_tokens, shard.start)
+        local = logits[:, :shard.valid]                                          # padding never wins
+        if local.shape[1] == 0:
+            scores, ids = sample_partial_ref(local.float(), t.temperatures, t.seeds, t.steps, shard.start)
+        elif t.all_greedy:
+            ids = local.argmax(dim=-1)
+            scores, ids = local.gather(1, ids[:, None]).squeeze(1).float(), ids + shard.start
+        elif self.fused_partial is not None:
+            scores, ids = self.fused_partial(local, t.temperatures, t.seeds, t.steps, vocab_start=shard.start)
+        else:
+            scores, ids = sample_partial_ref(local.float(), t.temperatures, t.seeds, t.steps, shard.start)
+        # float64 holds both exactly (float32 scores incl. NaN / inf; ids < 2^31): one collective
+        parts = shard.tp.all_gather(torch.stack([scores.double(), ids.double()], dim=1))  # (R, B, 2)
+        return reduce_partials(parts[..., 0], parts[..., 1].long())
 
 
 def _apply_top_k_top_p(x: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None) -> torch.Tensor:

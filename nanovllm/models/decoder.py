@@ -50,7 +50,9 @@ class DecoderAttention(nn.Module):
         # nanovllm.kernels.qkv_norm_rope_store; None = the unfused path below
         self.fused_qkv = None
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
+                reduce: bool = True) -> torch.Tensor:
+        """reduce=False: this rank's partial sum of the output (see ``TPGroup.all_reduce_add_norm``)."""
         T = x.shape[0]
         qkv = self.qkv_proj(x)                                                   # (T, (H + 2Hkv) D)
         if self.fused_qkv is not None:
@@ -59,7 +61,7 @@ class DecoderAttention(nn.Module):
                                None if qn is None else qn.weight, None if kn is None else kn.weight,
                                0.0 if qn is None else qn.eps, self.attn.k_cache, self.attn.v_cache,
                                meta.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim)  # (T, H, D)
-            return self.o_proj(self.attn.attend(q, meta))
+            return self.o_proj(self.attn.attend(q, meta), reduce)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(T, self.num_heads, self.head_dim)
         k = k.reshape(T, self.num_kv_heads, self.head_dim)
@@ -67,7 +69,7 @@ class DecoderAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
         o = self.attn(q, k, v.reshape(T, self.num_kv_heads, self.head_dim), meta)  # (T, H D)
-        return self.o_proj(o)
+        return self.o_proj(o, reduce)
 
 
 def install_fused_qkv(model: nn.Module, op) -> int:
@@ -92,31 +94,36 @@ class DecoderMLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp)
         self.act = silu_and_mul_ref  # the runner may swap in a fused kernel
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)), reduce)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, variant: DecoderVariant, tp: TPGroup):
         super().__init__()
+        self.tp = tp
         self.self_attn = DecoderAttention(cfg, variant, tp)
         self.mlp = DecoderMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, hidden, residual, meta):
+        """hidden: the embeddings (residual None, first layer) or the previous layer's output as this rank's
+        partial sum; returns this layer's output the same way. Each partial sum is reduced over the TP ranks
+        together with the residual add + RMSNorm that follows it (``TPGroup.all_reduce_add_norm``)."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+            hidden, residual = self.tp.all_reduce_add_norm(hidden, residual, self.input_layernorm)
+        hidden = self.self_attn(positions, hidden, meta, reduce=False)
+        hidden, residual = self.tp.all_reduce_add_norm(hidden, residual, self.post_attention_layernorm)
+        return self.mlp(hidden, reduce=False), residual
 
 
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, variant: DecoderVariant, tp: TPGroup):
         super().__init__()
+        self.tp = tp
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList([DecoderLayer(cfg, variant, tp) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -125,7 +132,7 @@ class DecoderModel(nn.Module):
         hidden, residual = self.embed_tokens(input_ids), None       # (T, hidden)
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, meta)
-        hidden, _ = self.norm(hidden, residual)
+        hidden, _ = self.tp.all_reduce_add_norm(hidden, residual, self.norm)
         return hidden
 
 
@@ -147,5 +154,6 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)  # (N, vocab) in the model's dtype
+    def compute_logits(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor:
+        """(N, vocab) logits in the model's dtype; with gather=False this rank's (N, vocab shard) slice only."""
+        return self.lm_head(hidden, gather)

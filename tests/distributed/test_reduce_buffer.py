@@ -12,7 +12,22 @@ import torch.nn.functional as F
 
 from nanovllm.distributed.group import TPGroup
 from nanovllm.distributed.symm_allreduce import SymmMemAllReduce
+from nanovllm.layers.layernorm import RMSNorm, add_rms_norm_ref
 from nanovllm.layers.linear import RowParallelLinear
+
+
+class FakeHandle:
+    """A symmetric-memory handle whose 'peer buffer' is the stub's ``peer`` tensor; records the calls."""
+
+    def __init__(self, reducer):
+        self.reducer, self.calls = reducer, []
+
+    def get_buffer(self, rank, shape, dtype):
+        self.calls.append(("get_buffer", rank, shape, dtype))
+        return self.reducer.peer
+
+    def barrier(self, channel=0):
+        self.calls.append(("barrier",))
 
 
 class StubReducer(SymmMemAllReduce):
@@ -24,6 +39,8 @@ class StubReducer(SymmMemAllReduce):
         self._next = 0
         self.peer = None
         self.reduced = []
+        self.rank, self.fuse_norm, self.fused_max_rows = 0, False, 1024
+        self.handles = [FakeHandle(self), FakeHandle(self)]
 
     def all_reduce_(self, t):
         self.reduced.append(t)
@@ -108,7 +125,7 @@ def test_maybe_create_is_off_on_cpu_and_when_disabled(monkeypatch):
     monkeypatch.setenv("NANOVLLM_ALLREDUCE", "nccl")
     assert SymmMemAllReduce.maybe_create(*args, torch.device("cuda")) is None
     monkeypatch.setenv("NANOVLLM_ALLREDUCE", "symm")
-    with pytest.raises(ValueError, match="NANOVLLM_ALLREDUCE must be 'auto' or 'nccl', got 'symm'"):
+    with pytest.raises(ValueError, match=r"NANOVLLM_ALLREDUCE must be one of .*'twoshot'.*, got 'symm'"):
         SymmMemAllReduce.maybe_create(*args, torch.device("cuda"))
 
 
@@ -121,3 +138,86 @@ def test_all_reduce_copies_into_the_buffer_when_it_fits():
     y = tp.all_reduce(x)
     torch.testing.assert_close(y, x + 1)
     assert y.data_ptr() == reducer.bufs[0].data_ptr() and len(reducer.reduced) == 1
+
+
+class StubNorm(RMSNorm):
+    """An RMSNorm whose 'fused' op is the torch reference, with the peer term the Triton kernel takes."""
+
+    def __init__(self, n):
+        super().__init__(n, eps=1e-5)
+        with torch.no_grad():
+            self.weight.copy_(torch.randn(n, generator=torch.Generator().manual_seed(7)))
+        self.peer_calls = 0
+
+        class Ops:
+            @staticmethod
+            def add_rms_norm(x, residual, weight, eps, peer=None):
+                self.peer_calls += peer is not None
+                return add_rms_norm_ref(x if peer is None else x + peer, residual, weight, eps)
+
+        self.fused = Ops()
+
+
+def _fused_setup(rows=5, fuse=True, max_rows=1024):
+    reducer = StubReducer(max_numel=64 * 16)
+    reducer.fuse_norm, reducer.fused_max_rows = fuse, max_rows
+    tp = TPGroup(rank=0, size=2, group=None, reducer=reducer)
+    layer = _layer(tp)
+    x = torch.randn(rows, 4, generator=torch.Generator().manual_seed(1))
+    reducer.peer = torch.randn(rows, 16, generator=torch.Generator().manual_seed(2))
+    residual = torch.randn(rows, 16, generator=torch.Generator().manual_seed(3))
+    want = add_rms_norm_ref(F.linear(x, layer.weight, layer.bias) + reducer.peer, residual, StubNorm(16).weight,
+                            1e-5)
+    return reducer, tp, layer, x, residual, want
+
+
+def test_all_reduce_fused_into_the_norm():
+    reducer, tp, layer, x, residual, want = _fused_setup()
+    partial = layer(x, reduce=False)
+    assert partial.data_ptr() == reducer.bufs[0].data_ptr() and reducer.reduced == []  # written, not reduced
+    norm = StubNorm(16)
+    normed, res = tp.all_reduce_add_norm(partial, residual, norm)
+    torch.testing.assert_close(normed, want[0])
+    torch.testing.assert_close(res, want[1])
+    assert norm.peer_calls == 1 and reducer.reduced == []                              # no two-shot kernel
+    assert reducer.handles[0].calls == [("get_buffer", 1, (5, 16), torch.float32), ("barrier",)]
+
+
+@pytest.mark.parametrize("case", ["too_many_rows", "fusion_off", "no_triton_norm"])
+def test_all_reduce_then_norm_when_not_fused(case):
+    reducer, tp, layer, x, residual, want = _fused_setup(fuse=case != "fusion_off",
+                                                         max_rows=4 if case == "too_many_rows" else 1024)
+    norm = StubNorm(16)
+    if case == "no_triton_norm":
+        norm.fused = None
+    normed, res = tp.all_reduce_add_norm(layer(x, reduce=False), residual, norm)
+    torch.testing.assert_close(normed, want[0])
+    torch.testing.assert_close(res, want[1])
+    assert len(reducer.reduced) == 1 and norm.peer_calls == 0                          # the two-shot path
+
+
+def test_unreduced_partial_outside_the_buffers_goes_through_all_reduce():
+    calls = []
+
+    class Group(TPGroup):
+        def all_reduce(self, x):
+            calls.append(x.shape)
+            return x + 1
+
+    reducer = StubReducer(max_numel=4)  # too small: the layer returns a plain tensor
+    tp = Group(rank=0, size=2, group=None, reducer=reducer)
+    layer = _layer(tp)
+    x, residual = torch.randn(3, 4), torch.randn(3, 16)
+    partial = layer(x, reduce=False)
+    torch.testing.assert_close(partial, F.linear(x, layer.weight, layer.bias))
+    norm = StubNorm(16)
+    normed, _ = tp.all_reduce_add_norm(partial, residual, norm)
+    assert calls == [(3, 16)]
+    torch.testing.assert_close(normed, add_rms_norm_ref(partial + 1, residual, norm.weight, 1e-5)[0])
+
+
+def test_single_rank_all_reduce_add_norm_is_the_norm():
+    norm, x, r = StubNorm(16), torch.randn(2, 16), torch.randn(2, 16)
+    torch.testing.assert_close(TPGroup().all_reduce_add_norm(x, r, norm)[0], add_rms_norm_ref(x, r, norm.weight,
+                                                                                               1e-5)[0])
+    assert norm.peer_calls == 0

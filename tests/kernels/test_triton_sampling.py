@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import nanovllm.kernels as kernels
-from nanovllm.kernels.sampling import BLOCK, sample, sample_num_chunks
-from nanovllm.layers.sampler import hash_uniform, sample_ref
+from nanovllm.kernels.sampling import BLOCK, sample, sample_num_chunks, sample_partial
+from nanovllm.layers.sampler import hash_uniform, reduce_partials, sample_partial_ref, sample_ref
 
 # a (seed, step, token) whose top 24 hash bits are all ones: with 24 bits U would round to 1.0 (infinite
 # noise); with the 23 bits used, U stays below 1
@@ -234,9 +234,107 @@ def test_num_chunks_from_shapes():
     assert sample_num_chunks(4, 700, "cpu") == 1
 
 
+def _check_partial(got, ref, temps):
+    """Ids equal; scores equal for greedy rows and, on CUDA, for all (under the interpreter the noise's log is
+    numpy's, an ulp away from torch's CPU log)."""
+    (sc, ids), (ref_sc, ref_ids) = got, ref
+    assert ids.dtype == torch.int64 and sc.dtype == torch.float32
+    assert ids.tolist() == ref_ids.tolist()
+    greedy = temps <= 0
+    torch.testing.assert_close(sc[greedy], ref_sc[greedy], atol=0, rtol=0, equal_nan=True)
+    tol = 0 if sc.is_cuda else 1e-6
+    torch.testing.assert_close(sc, ref_sc, atol=tol, rtol=tol, equal_nan=True)
+
+
+@pytest.mark.parametrize("V,tp,num_chunks,exact", [(2500, 2, None, False), (2500, 3, 2, False),
+                                                   (1100, 2, 1, False), (2100, 2, 2, True)])
+def test_partials_over_vocab_shards(device, V, tp, num_chunks, exact):
+    """Each shard's kernel partial is the reference partial (global ids, global noise); reduced over the shards
+    they give the kernel's and the reference's full-row tokens."""
+    logits, temps, seeds, steps = _inputs(6, V, seed=V + tp, device=device)
+    size = -(-V // tp)
+    padded = torch.full((6, size * tp), 1e4, device=device)  # a padded tail that would win if it were read
+    padded[:, :V] = logits
+    scores, ids = [], []
+    for r in range(tp):
+        s, n = r * size, min(size, V - r * size)
+        got = sample_partial(padded[:, s:s + n], temps, seeds, steps, vocab_start=s, num_chunks=num_chunks,
+                             _force_exact=exact)
+        _check_partial(got, sample_partial_ref(padded[:, s:s + n], temps, seeds, steps, s), temps)
+        scores.append(got[0])
+        ids.append(got[1])
+    tokens = reduce_partials(torch.stack(scores), torch.stack(ids)).tolist()
+    assert tokens == sample_ref(logits, temps, seeds, steps).tolist()
+    assert tokens == sample(logits, temps, seeds, steps).tolist()
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy (interpreter) on log(0), inf - inf
+def test_partial_special_values_and_offsets(device):
+    seed, step, tok = U_ONE
+    V = 1300
+    logits, _, seeds, steps = _inputs(7, V, seed=12, device=device)
+    temps = torch.tensor([0.0, 0.8, 0.8, 0.0, 0.8, 0.8, 0.0], device=device)
+    logits[0, [700, 1299]] = float("nan")                 # greedy NaN: the first
+    logits[1] = float("-inf")                             # all banned: the slice's first id, score -inf
+    logits[2, [5, 1030]] = float("inf")                   # sampled +inf: the first
+    logits[3, [1, 1024]] = 77.0                           # greedy tie across tiles
+    seeds[4], steps[4] = seed, step                       # the largest U lands in this slice (vocab_start 1400)
+    logits[5, 17] = float("nan")                          # sampled NaN
+    for start, nc in ((1400, 1), (1400, 2), (1, 2), (2**30, 1)):
+        got = sample_partial(logits, temps, seeds, steps, vocab_start=start, num_chunks=nc)
+        ref = sample_partial_ref(logits, temps, seeds, steps, start)
+        _check_partial(got, ref, temps)
+        assert got[1][:4].tolist() == [start + 700, start, start + 5, start + 1]
+        assert got[1][5] == start + 17 and got[0][1] == float("-inf") and got[0][5] != got[0][5]
+    assert hash_uniform(seeds[4:5], steps[4:5], V, 1400)[0, tok - 1400] == 1.0 - 2.0 ** -24
+
+
+def test_partial_validation(device):
+    logits, temps, seeds, steps = _inputs(3, 100, seed=1, device=device)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="vocab_start"):
+            sample_partial(logits, temps, seeds, steps, vocab_start=bad)
+    with pytest.raises(ValueError, match="out_scores"):
+        sample_partial(logits, temps, seeds, steps, out_scores=torch.empty(3, dtype=torch.float64, device=device))
+    with pytest.raises(ValueError, match="too large"):
+        sample_partial(logits, temps, seeds, steps, vocab_start=2**31 - 100)
+    with pytest.raises(ValueError, match="sample_partial: logits have an empty vocabulary"):
+        sample_partial(logits[:, :0], temps, seeds, steps)
+    out, out_s = torch.empty(3, dtype=torch.int64, device=device), torch.empty(3, device=device)
+    sc, ids = sample_partial(logits, temps, seeds, steps, vocab_start=5, out=out, out_scores=out_s)
+    assert sc is out_s and ids is out
+    e_sc, e_ids = sample_partial(logits[:0], temps[:0], seeds[:0], steps[:0])
+    assert e_sc.shape == e_ids.shape == (0,)
+
+
+def test_sampler_shard_path_uses_the_kernel(device):
+    """The Sampler of each of 2 ranks (threads) runs the kernel on its shard; the ids are the full sampler's."""
+    import threading
+
+    from nanovllm.layers.sampler import Sampler
+    from tests.test_vocab_parallel_sampling import _tensors, run_ranks
+    lock, calls = threading.Lock(), []
+
+    def fused_partial(*args, **kw):
+        with lock:  # one interpreter run at a time
+            calls.append(kw["vocab_start"])
+            return sample_partial(*args, **kw)
+
+    logits = torch.randn(4, 301, generator=torch.Generator().manual_seed(13)) * 2
+    t = _tensors([0.0, 0.8, 1.2, 0.5], banned=[(1, 200)], seed=2)
+    want = Sampler()(logits.clone(), t).token_ids.tolist()
+    t = type(t)(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(t).items()})
+    outs, gathers = run_ranks(logits.to(device), t, 2, fused_partial=fused_partial)
+    assert sorted(calls) == [0, 151] and gathers["all_gather_last_dim"] == 0
+    assert all(o.token_ids.tolist() == want for o in outs)
+
+
 def test_package_exports(device):
     assert "sample" in kernels.__all__
     assert kernels.sample is sample
     ops = kernels.TritonOps()
     logits, temps, seeds, steps = _inputs(2, 300, seed=2, device=device)
     assert ops.sample(logits, temps, seeds, steps).tolist() == sample_ref(logits, temps, seeds, steps).tolist()
+    assert kernels.sample_partial is sample_partial
+    got = ops.sample_partial(logits[:, 100:], temps, seeds, steps, vocab_start=100)
+    assert got[1].tolist() == sample_partial_ref(logits[:, 100:], temps, seeds, steps, 100)[1].tolist()
