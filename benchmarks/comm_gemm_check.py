@@ -85,7 +85,7 @@ def _ar_worker(rank, world, port, q):
     from nanovllm.kernels.norm import add_rms_norm
     reducer = SymmMemAllReduce.maybe_create(dist.group.WORLD, rank, world, 8192 * HID, torch.bfloat16,
                                             torch.device("cuda", rank))
-    lines.append(f"SymmMemAllReduce: {'none' if reducer is None else f'fuse_norm={reducer.fuse_norm}'}")
+    lines.append(f"SymmMemAllReduce: {'none' if reducer is None else f'fuse={reducer.fuse}'}")
     for M in (1, 16, 64, 128, 256, 512, 2048, 8192):
         x = torch.randn(M, HID, device="cuda", dtype=torch.bfloat16)
         res = {"nccl": bench(lambda x=x.clone(): dist.all_reduce(x), iters=72)}  # (the copy overflows; x stays)
@@ -118,19 +118,18 @@ def _ar_worker(rank, world, port, q):
             t.copy_(x)
             res["twoshot+norm"] = bench(lambda t=t, r=resid, w=w: add_rms_norm(reducer.all_reduce_(t), r, w, 1e-6),
                                         iters=72)
-            saved = reducer.fused_max_rows
-            reducer.fused_max_rows = 1 << 30
             t.copy_(x)
-            res["fused"] = bench(lambda t=t, r=resid, w=w: reducer.add_rms_norm_(t, r, w, 1e-6, add_rms_norm),
-                                 iters=72)
-            t.copy_(x)
-            got = reducer.add_rms_norm_(t, resid, w, 1e-6, add_rms_norm)
-            ref_sum = x.clone()
-            dist.all_reduce(ref_sum)
-            want = add_rms_norm(ref_sum, resid, w, 1e-6)
-            torch.cuda.synchronize()
-            res["fused_max_err"] = max(float((g.float() - h.float()).abs().max()) for g, h in zip(got, want))
-            reducer.fused_max_rows = saved
+            for mode in ("barrier", "inline") if reducer.fuse else ():
+                reducer.fuse = mode
+                res[f"fused_{mode}"] = bench(lambda t=t, r=resid, w=w: reducer.add_rms_norm_(t, r, w, 1e-6),
+                                             iters=72)
+            if reducer.fuse:
+                got = reducer.add_rms_norm_(t, resid, w, 1e-6)
+                ref_sum = x.clone()
+                dist.all_reduce(ref_sum)
+                want = add_rms_norm(ref_sum, resid, w, 1e-6)
+                torch.cuda.synchronize()
+                res["fused_max_err"] = max(float((g.float() - h.float()).abs().max()) for g, h in zip(got, want))
         parts = [f"{k} {r:.1f}us" if isinstance(r, float) and "err" not in k else f"{k} {r}"
                  for k, r in res.items()]
         lines.append(f"M={M:5d} ({M * HID * 2 / 1e6:6.2f} MB): " + ", ".join(parts))

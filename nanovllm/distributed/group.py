@@ -44,14 +44,15 @@ class TPGroup:
         """``norm(sum over the ranks of partial, residual)`` -> (normed, new residual), for an RMSNorm module
         ``norm`` and a row-parallel layer's unreduced output ``partial`` (``forward(x, reduce=False)``).
 
-        With two ranks, the symmetric-memory reducer and the Triton norm, the reduction runs inside the norm
-        kernel (``SymmMemAllReduce.add_rms_norm_``); otherwise it is an all-reduce followed by the norm."""
+        With two ranks, the symmetric-memory reducer and the Triton kernels (``norm.fused`` set), the reduction
+        runs inside the norm kernel (``SymmMemAllReduce.add_rms_norm_``); otherwise it is an all-reduce followed
+        by the norm."""
         if self.size == 1:
             return norm(partial, residual)
         r = self.reducer
         fused = getattr(norm, "fused", None)
         if r is not None and fused is not None and r.can_fuse_norm(partial):
-            return r.add_rms_norm_(partial, residual, norm.weight, norm.eps, fused.add_rms_norm)
+            return r.add_rms_norm_(partial, residual, norm.weight, norm.eps)
         summed = self.all_reduce_buffer(partial) if r is not None and r.owns(partial) else self.all_reduce(partial)
         return norm(summed, residual)
 

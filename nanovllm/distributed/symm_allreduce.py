@@ -16,16 +16,19 @@ when ``NANOVLLM_ALLREDUCE=nccl``.
 Two ranks: fused with the norm after it
 ---------------------------------------
 Every all-reduce in the decoder is followed by a residual add and an RMSNorm. With two ranks the reduction is
-folded into that norm instead (``add_rms_norm_``): one barrier (each rank's partial is written), then the norm
-kernel reads this rank's partial and the peer's through its peer mapping, adds them and the residual, normalizes
-and writes the result locally. That replaces the two-shot kernel (two barriers, a reduce-scatter and an
-all-gather over NVLink) plus the separate norm kernel with one barrier and one kernel; both ranks compute the
-same sum (a + b is commutative in IEEE arithmetic) and so the same bits. Used for at most ``fused_max_rows``
-rows (decode steps and small prefills); ``NANOVLLM_ALLREDUCE=twoshot`` turns it off.
+folded into that norm instead (``add_rms_norm_``): one kernel (``nanovllm.kernels.ar_norm``) signals the peer
+that this rank's partial is written, waits for the peer's signal, reads this rank's partial and the peer's
+(through its peer mapping), adds them and the residual, normalizes and writes the result locally. That
+replaces the two-shot kernel (its two barriers, a reduce-scatter and an all-gather over NVLink) plus the
+separate norm kernel; both ranks add the same two numbers (IEEE addition is commutative), so they hold the
+same bits. ``NANOVLLM_ALLREDUCE=barrier`` does the handshake with torch's barrier kernel before a plain norm
+kernel that reads the peer (the first version, kept for A/B runs), ``=twoshot`` turns the fusion off.
 
-Why one barrier is enough: a rank writes a buffer again only two reductions later, after the barrier of the
-reduction in between, which the peer passes only after its norm kernel that read the buffer has finished
-(kernels on one stream run in order).
+Why a buffer is never overwritten while the peer still reads it: a rank writes a buffer again only two
+reductions later. Its peer's program that read it belongs to reduction k; this rank's next write comes after
+its own reduction k + 1 finished, which needed the peer's signals of reduction k + 1, which the peer sends
+only when its kernel k + 1 starts, that is after its kernel k (the reader) has finished: kernels on one stream
+run in order. (With the barrier kernel the same argument holds with "barrier" for "signal".)
 """
 from __future__ import annotations
 
@@ -38,12 +41,12 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-_CHOICES = ("auto", "twoshot", "nccl")
+_CHOICES = ("auto", "barrier", "twoshot", "nccl")
 
 
 class SymmMemAllReduce:
     def __init__(self, group, rank: int, world_size: int, max_numel: int, dtype: torch.dtype,
-                 device: torch.device, fuse_norm: bool = True, fused_max_rows: int = 1024):
+                 device: torch.device, fuse: str | None = "inline"):
         import torch.distributed._symmetric_memory as symm_mem
         self.group_name = group.group_name
         self.rank = rank
@@ -56,8 +59,16 @@ class SymmMemAllReduce:
             self.handles.append(symm_mem.rendezvous(buf, self.group_name))
             self.bufs.append(buf)
         self._next = 0
-        self.fuse_norm = fuse_norm and world_size == 2
-        self.fused_max_rows = fused_max_rows
+        # None, "inline" (the handshake inside the kernel) or "barrier" (torch's barrier kernel first)
+        self.fuse = fuse if world_size == 2 else None
+        if self.fuse == "inline":
+            from nanovllm.kernels.ar_norm import MAX_PROGRAMS
+            self.sig = symm_mem.empty(MAX_PROGRAMS, dtype=torch.int32, device=device)
+            sig_handle = symm_mem.rendezvous(self.sig, self.group_name)
+            self.sig.zero_()
+            self.peer_sig = sig_handle.get_buffer(1 - rank, (MAX_PROGRAMS,), torch.int32)
+            torch.cuda.synchronize(device)
+            sig_handle.barrier(channel=0)  # both ranks' counters are zero before anyone signals
         # self-test: every rank contributes rank + 1
         t = self.buffer((world_size * 8,), dtype)
         t.fill_(rank + 1)
@@ -65,24 +76,26 @@ class SymmMemAllReduce:
         want = world_size * (world_size + 1) / 2
         if not bool((t == want).all()):
             raise RuntimeError(f"symmetric-memory all-reduce self-test gave {t[:4].tolist()}, want {want}")
-        if self.fuse_norm:
-            self._self_test_fused(rank, device)
+        if self.fuse is not None:
+            self._self_test_fused(group, rank, device)
 
-    def _self_test_fused(self, rank: int, device: torch.device) -> None:
-        """rank r contributes r + 1 to a (4, 64) tensor; with a zero residual the new residual must be 3."""
+    def _self_test_fused(self, group, rank: int, device: torch.device) -> None:
+        """rank r contributes r + 1 to a (300, 64) tensor (more rows than kernel programs); with a zero residual
+        the new residual must be 3. The ranks agree on the outcome, so all of them fuse or none does."""
+        import torch.distributed as dist
         try:
-            from nanovllm.kernels.norm import add_rms_norm
-            t = self.buffer((4, 64), self.dtype)
+            t = self.buffer((300, 64), self.dtype)
             t.fill_(rank + 1)
-            zeros = torch.zeros(4, 64, dtype=self.dtype, device=device)
-            _, res = self.add_rms_norm_(t, zeros, torch.ones(64, dtype=self.dtype, device=device), 1e-6,
-                                        add_rms_norm)
+            zeros = torch.zeros(300, 64, dtype=self.dtype, device=device)
+            _, res = self.add_rms_norm_(t, zeros, torch.ones(64, dtype=self.dtype, device=device), 1e-6)
             ok = bool((res == 3).all())
         except Exception as e:  # noqa: BLE001 - the unfused two-shot path still works
             logger.warning("fused all-reduce + norm unavailable (%s: %s); using two-shot", type(e).__name__, e)
             ok = False
-        if not ok:
-            self.fuse_norm = False
+        flag = torch.tensor([int(ok)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        if not flag.item():
+            self.fuse = None
 
     @classmethod
     def maybe_create(cls, group, rank: int, world_size: int, max_numel: int, dtype: torch.dtype,
@@ -97,7 +110,8 @@ class SymmMemAllReduce:
         if device.type != "cuda" or world_size < 2 or dtype not in (torch.bfloat16, torch.float32):
             return None
         try:
-            return cls(group, rank, world_size, max_numel, dtype, device, fuse_norm=choice == "auto")
+            return cls(group, rank, world_size, max_numel, dtype, device,
+                       fuse={"auto": "inline", "barrier": "barrier"}.get(choice))
         except Exception as e:  # noqa: BLE001 - any failure here means "use NCCL"
             logger.warning("symmetric-memory all-reduce unavailable (%s: %s); using NCCL", type(e).__name__, e)
             return None
@@ -131,16 +145,19 @@ class SymmMemAllReduce:
         return self._index(t) is not None
 
     def can_fuse_norm(self, t: torch.Tensor) -> bool:
-        """Whether ``add_rms_norm_`` can take ``t`` (2-D, from ``buffer()``, few enough rows)."""
-        return self.fuse_norm and t.dim() == 2 and t.shape[0] <= self.fused_max_rows and self.owns(t)
+        """Whether ``add_rms_norm_`` can take ``t`` (2-D, from ``buffer()``)."""
+        return self.fuse is not None and t.dim() == 2 and self.owns(t)
 
-    def add_rms_norm_(self, t: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                      add_rms_norm) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_rms_norm_(self, t: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``add_rms_norm(sum over the two ranks of t, residual, weight, eps)`` -> (normed, new residual), the
-        reduction fused into the norm kernel (``add_rms_norm(x, residual, weight, eps, peer=...)``, the
-        Triton kernel). ``t`` must pass ``can_fuse_norm``."""
-        i = self._index(t)
-        handle = self.handles[i]
+        reduction fused into the norm kernel. ``t`` must pass ``can_fuse_norm``; the peer must make the same
+        call."""
+        handle = self.handles[self._index(t)]
         peer = handle.get_buffer(1 - self.rank, tuple(t.shape), t.dtype)
+        if self.fuse == "inline":
+            from nanovllm.kernels.ar_norm import two_rank_add_rms_norm
+            return two_rank_add_rms_norm(t, peer, residual, weight, eps, self.sig, self.peer_sig)
+        from nanovllm.kernels.norm import add_rms_norm
         handle.barrier(channel=0)
         return add_rms_norm(t, residual, weight, eps, peer=peer)

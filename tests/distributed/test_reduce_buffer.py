@@ -39,7 +39,8 @@ class StubReducer(SymmMemAllReduce):
         self._next = 0
         self.peer = None
         self.reduced = []
-        self.rank, self.fuse_norm, self.fused_max_rows = 0, False, 1024
+        self.rank, self.fuse = 0, None
+        self.sig, self.peer_sig = torch.zeros(4, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
         self.handles = [FakeHandle(self), FakeHandle(self)]
 
     def all_reduce_(self, t):
@@ -140,27 +141,42 @@ def test_all_reduce_copies_into_the_buffer_when_it_fits():
     assert y.data_ptr() == reducer.bufs[0].data_ptr() and len(reducer.reduced) == 1
 
 
-class StubNorm(RMSNorm):
-    """An RMSNorm whose 'fused' op is the torch reference, with the peer term the Triton kernel takes."""
+class RefOps:
+    """Stands in for TritonOps' norm: the reference."""
 
-    def __init__(self, n):
+    @staticmethod
+    def add_rms_norm(x, residual, weight, eps):
+        return add_rms_norm_ref(x, residual, weight, eps)
+
+
+class StubNorm(RMSNorm):
+    """An RMSNorm marked as running on the Triton kernels (``fused`` set), which is when TP may fuse."""
+
+    def __init__(self, n, fused=True):
         super().__init__(n, eps=1e-5)
         with torch.no_grad():
             self.weight.copy_(torch.randn(n, generator=torch.Generator().manual_seed(7)))
-        self.peer_calls = 0
-
-        class Ops:
-            @staticmethod
-            def add_rms_norm(x, residual, weight, eps, peer=None):
-                self.peer_calls += peer is not None
-                return add_rms_norm_ref(x if peer is None else x + peer, residual, weight, eps)
-
-        self.fused = Ops()
+        self.fused = RefOps() if fused else None
 
 
-def _fused_setup(rows=5, fuse=True, max_rows=1024):
+@pytest.fixture
+def fake_kernel(monkeypatch):
+    """Stands in for the two-rank kernel (tested under the interpreter in tests/kernels): the reference, with
+    the arguments recorded."""
+    from nanovllm.kernels import ar_norm
+    calls = []
+
+    def fake(x, peer, residual, weight, eps, sig_in, sig_out):
+        calls.append((x, peer, sig_in, sig_out))
+        return add_rms_norm_ref(x + peer, residual, weight, eps)
+
+    monkeypatch.setattr(ar_norm, "two_rank_add_rms_norm", fake)
+    return calls
+
+
+def _fused_setup(rows=5, fuse="inline"):
     reducer = StubReducer(max_numel=64 * 16)
-    reducer.fuse_norm, reducer.fused_max_rows = fuse, max_rows
+    reducer.fuse = fuse
     tp = TPGroup(rank=0, size=2, group=None, reducer=reducer)
     layer = _layer(tp)
     x = torch.randn(rows, 4, generator=torch.Generator().manual_seed(1))
@@ -171,32 +187,31 @@ def _fused_setup(rows=5, fuse=True, max_rows=1024):
     return reducer, tp, layer, x, residual, want
 
 
-def test_all_reduce_fused_into_the_norm():
+def test_all_reduce_fused_into_the_norm(fake_kernel):
     reducer, tp, layer, x, residual, want = _fused_setup()
     partial = layer(x, reduce=False)
     assert partial.data_ptr() == reducer.bufs[0].data_ptr() and reducer.reduced == []  # written, not reduced
-    norm = StubNorm(16)
-    normed, res = tp.all_reduce_add_norm(partial, residual, norm)
+    normed, res = tp.all_reduce_add_norm(partial, residual, StubNorm(16))
     torch.testing.assert_close(normed, want[0])
     torch.testing.assert_close(res, want[1])
-    assert norm.peer_calls == 1 and reducer.reduced == []                              # no two-shot kernel
-    assert reducer.handles[0].calls == [("get_buffer", 1, (5, 16), torch.float32), ("barrier",)]
+    assert reducer.reduced == []                                                       # no two-shot kernel
+    assert reducer.handles[0].calls == [("get_buffer", 1, (5, 16), torch.float32)]     # the peer's partial
+    (got_x, got_peer, sig_in, sig_out), = fake_kernel
+    assert got_x is partial and got_peer is reducer.peer
+    assert sig_in is reducer.sig and sig_out is reducer.peer_sig
 
 
-@pytest.mark.parametrize("case", ["too_many_rows", "fusion_off", "no_triton_norm"])
-def test_all_reduce_then_norm_when_not_fused(case):
-    reducer, tp, layer, x, residual, want = _fused_setup(fuse=case != "fusion_off",
-                                                         max_rows=4 if case == "too_many_rows" else 1024)
-    norm = StubNorm(16)
-    if case == "no_triton_norm":
-        norm.fused = None
+@pytest.mark.parametrize("case", ["fusion_off", "no_triton_norm"])
+def test_all_reduce_then_norm_when_not_fused(fake_kernel, case):
+    reducer, tp, layer, x, residual, want = _fused_setup(fuse=None if case == "fusion_off" else "inline")
+    norm = StubNorm(16, fused=case != "no_triton_norm")
     normed, res = tp.all_reduce_add_norm(layer(x, reduce=False), residual, norm)
     torch.testing.assert_close(normed, want[0])
     torch.testing.assert_close(res, want[1])
-    assert len(reducer.reduced) == 1 and norm.peer_calls == 0                          # the two-shot path
+    assert len(reducer.reduced) == 1 and fake_kernel == []                             # the two-shot path
 
 
-def test_unreduced_partial_outside_the_buffers_goes_through_all_reduce():
+def test_unreduced_partial_outside_the_buffers_goes_through_all_reduce(fake_kernel):
     calls = []
 
     class Group(TPGroup):
@@ -205,19 +220,19 @@ def test_unreduced_partial_outside_the_buffers_goes_through_all_reduce():
             return x + 1
 
     reducer = StubReducer(max_numel=4)  # too small: the layer returns a plain tensor
+    reducer.fuse = "inline"
     tp = Group(rank=0, size=2, group=None, reducer=reducer)
     layer = _layer(tp)
     x, residual = torch.randn(3, 4), torch.randn(3, 16)
     partial = layer(x, reduce=False)
     torch.testing.assert_close(partial, F.linear(x, layer.weight, layer.bias))
-    norm = StubNorm(16)
+    norm = StubNorm(16, fused=False)
     normed, _ = tp.all_reduce_add_norm(partial, residual, norm)
-    assert calls == [(3, 16)]
+    assert calls == [(3, 16)] and fake_kernel == []
     torch.testing.assert_close(normed, add_rms_norm_ref(partial + 1, residual, norm.weight, 1e-5)[0])
 
 
 def test_single_rank_all_reduce_add_norm_is_the_norm():
-    norm, x, r = StubNorm(16), torch.randn(2, 16), torch.randn(2, 16)
+    norm, x, r = StubNorm(16, fused=False), torch.randn(2, 16), torch.randn(2, 16)
     torch.testing.assert_close(TPGroup().all_reduce_add_norm(x, r, norm)[0], add_rms_norm_ref(x, r, norm.weight,
                                                                                                1e-5)[0])
-    assert norm.peer_calls == 0
