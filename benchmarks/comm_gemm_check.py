@@ -85,7 +85,7 @@ def _ar_worker(rank, world, port, q):
     from nanovllm.kernels.norm import add_rms_norm
     reducer = SymmMemAllReduce.maybe_create(dist.group.WORLD, rank, world, 8192 * HID, torch.bfloat16,
                                             torch.device("cuda", rank))
-    lines.append(f"SymmMemAllReduce: {'none' if reducer is None else f'fuse={reducer.fuse}'}")
+    lines.append(f"SymmMemAllReduce: {'none' if reducer is None else f'fuse_norm={reducer.fuse_norm}'}")
     for M in (1, 16, 64, 128, 256, 512, 2048, 8192):
         x = torch.randn(M, HID, device="cuda", dtype=torch.bfloat16)
         res = {"nccl": bench(lambda x=x.clone(): dist.all_reduce(x), iters=72)}  # (the copy overflows; x stays)
@@ -119,11 +119,8 @@ def _ar_worker(rank, world, port, q):
             res["twoshot+norm"] = bench(lambda t=t, r=resid, w=w: add_rms_norm(reducer.all_reduce_(t), r, w, 1e-6),
                                         iters=72)
             t.copy_(x)
-            for mode in ("barrier", "inline") if reducer.fuse else ():
-                reducer.fuse = mode
-                res[f"fused_{mode}"] = bench(lambda t=t, r=resid, w=w: reducer.add_rms_norm_(t, r, w, 1e-6),
-                                             iters=72)
-            if reducer.fuse:
+            if reducer.fuse_norm:
+                res["fused"] = bench(lambda t=t, r=resid, w=w: reducer.add_rms_norm_(t, r, w, 1e-6), iters=72)
                 got = reducer.add_rms_norm_(t, resid, w, 1e-6)
                 ref_sum = x.clone()
                 dist.all_reduce(ref_sum)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU check-and-bench in one device call:  bash benchmarks/gpu_check.sh [steps...]
 # steps: env kernels kernel_tests parity parity_trained parity32 bench06 bench06sync profile06 profile8 bench8 bench8tp2 online06
-#        gemm gemmlt allreduce tp_parity bench8tp2nccl bench8tp2twoshot bench8tp2barrier sweep bench06best layout
+#        gemm gemmlt allreduce tp_parity bench8tp2nccl bench8tp2twoshot sweep bench06best layout
 # (default: env kernels parity bench06 profile06 bench8). online06 needs fastapi/uvicorn: carry .whl and
 # start the command with the wheel install from the device README.
 # Logs go to $OUT (or ./gpu_out); each step has its own time limit and a failure doesn't stop the rest.
@@ -34,7 +34,6 @@ for s in $steps; do
     tp_parity) run tp_parity 300 python3 benchmarks/tp_parity.py ;;
     bench8tp2nccl) TAIL=40 NANOVLLM_ALLREDUCE=nccl run bench8tp2nccl 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --tensor-parallel-size 2 --json "$OUT/bench.jsonl" --label "${LABEL:-} tp2 nccl" --step-log "$OUT/steps8tp2nccl.json" ;;
     bench8tp2twoshot) TAIL=40 NANOVLLM_ALLREDUCE=twoshot run bench8tp2twoshot 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --tensor-parallel-size 2 --json "$OUT/bench.jsonl" --label "${LABEL:-} tp2 twoshot" --step-log "$OUT/steps8tp2twoshot.json" ;;
-    bench8tp2barrier) TAIL=40 NANOVLLM_ALLREDUCE=barrier run bench8tp2barrier 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --tensor-parallel-size 2 --json "$OUT/bench.jsonl" --label "${LABEL:-} tp2 barrier" --step-log "$OUT/steps8tp2barrier.json" ;;
     allreduce) TAIL=40 run allreduce 200 python3 benchmarks/comm_gemm_check.py allreduce ;;
     profile06) TAIL=60 run profile06 240 python3 benchmarks/profile_step.py --model benchmarks/models/qwen3-0.6b --load-format dummy ;;
     bench8) TAIL=40 run bench8 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-}" --step-log "$OUT/steps8.json" --gpu-idle ;;

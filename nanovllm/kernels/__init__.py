@@ -10,8 +10,7 @@ Public kernels (each mirrors a torch reference elsewhere in the package):
   out=None)``                                                             -> (T, H, D)
 * ``paged_decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, out=None, *, num_splits=None,
   workspace=None)``                                                       -> (B, H, D)
-* ``rms_norm(x, weight, eps)``, ``add_rms_norm(x, residual, weight, eps, peer=None)`` -> normed / (normed,
-  x + residual); with ``peer``, x + peer stands for x (a two-rank all-reduce fused into the norm)
+* ``rms_norm(x, weight, eps)``, ``add_rms_norm(x, residual, weight, eps)`` -> normed / (normed, x + residual)
 * ``silu_and_mul(x)``                                                     -> (..., I)
 * ``apply_rotary(q, k, positions, cos_sin_cache)``                        -> (q_rot, k_rot) (in place by default)
 * ``sample(logits, temperatures, seeds, steps, out=None)``                -> (B,) int64 (Gumbel-max, no filters)
@@ -105,8 +104,8 @@ class TritonOps:
     def rms_norm(self, x, weight, eps):
         return self._rms_norm(x, weight, eps)
 
-    def add_rms_norm(self, x, residual, weight, eps, peer=None):
-        return self._add_rms_norm(x, residual, weight, eps, peer=peer)
+    def add_rms_norm(self, x, residual, weight, eps):
+        return self._add_rms_norm(x, residual, weight, eps)
 
     def apply_rotary(self, q, k, positions, cos_sin_cache):
         return self._apply_rotary(q, k, positions, cos_sin_cache)

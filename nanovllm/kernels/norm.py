@@ -16,18 +16,14 @@ from nanovllm.kernels._common import check_float, check_last_contiguous, check_s
 
 @triton.jit
 def _rms_norm_kernel(
-    X, P, R, W, Y, S, N, eps,
-    stride_x, stride_p, stride_r, stride_y, stride_s,
-    HAS_PEER: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+    X, R, W, Y, S, N, eps,
+    stride_x, stride_r, stride_y, stride_s,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
-    if HAS_PEER:
-        # another GPU's partial sum (a peer mapping): ".cv" fetches it again, never a stale cached line
-        p = tl.load(P + row * stride_p + offs, mask=mask, other=0.0, cache_modifier=".cv")
-        x = (x.to(tl.float32) + p.to(tl.float32)).to(X.dtype.element_ty)
     if HAS_RES:
         r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(S.dtype.element_ty)
@@ -57,7 +53,7 @@ def _num_warps(block: int) -> int:
     return 4 if block <= 2048 else (8 if block <= 8192 else 16)
 
 
-def _launch(x, residual, weight, eps, out, residual_out, peer=None):
+def _launch(x, residual, weight, eps, out, residual_out):
     check_float("rms_norm: x", x)
     check_float("rms_norm: weight", weight)
     N = x.shape[-1]
@@ -84,13 +80,6 @@ def _launch(x, residual, weight, eps, out, residual_out, peer=None):
     else:
         r2 = s2 = x2
         sum_dtype = x.dtype
-    if peer is not None:
-        if peer.shape != x.shape or peer.dtype != x.dtype:
-            raise ValueError(f"add_rms_norm: peer must be {tuple(x.shape)} {x.dtype}, got {tuple(peer.shape)} "
-                             f"{peer.dtype}")
-        p2 = _as_rows("add_rms_norm: peer", peer, N)
-    else:
-        p2 = x2
     y_dtype = torch.promote_types(weight.dtype, sum_dtype)
     if out is None:
         out = torch.empty(x.shape, dtype=y_dtype, device=x.device)
@@ -101,9 +90,9 @@ def _launch(x, residual, weight, eps, out, residual_out, peer=None):
         return out, residual_out
     BLOCK = next_pow2(N)
     _rms_norm_kernel[(M,)](
-        x2, p2, r2, weight, y2, s2, N, float(eps),
-        x2.stride(0), p2.stride(0), r2.stride(0), y2.stride(0), s2.stride(0),
-        HAS_PEER=peer is not None, HAS_RES=residual is not None, BLOCK=BLOCK, num_warps=_num_warps(BLOCK),
+        x2, r2, weight, y2, s2, N, float(eps),
+        x2.stride(0), r2.stride(0), y2.stride(0), s2.stride(0),
+        HAS_RES=residual is not None, BLOCK=BLOCK, num_warps=_num_warps(BLOCK),
     )
     return out, residual_out
 
@@ -114,14 +103,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
-                 peer: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused ``s = x + residual; return rms_norm(s), s`` (one read of x and residual, one write of each output).
 
     ``out`` / ``residual_out`` may be preallocated (``residual_out`` may alias ``residual`` or ``x`` for an
     in-place update: each element is read before it is written by the same program).
-    ``peer`` (x's shape and dtype): x is replaced by ``x + peer`` (summed in float32, rounded to x's dtype) —
-    a two-rank all-reduce fused into the norm, with ``peer`` the other rank's partial sum mapped into this
-    device (``nanovllm.distributed.symm_allreduce``); same result as ``add_rms_norm_ref(x + peer, ...)``.
     """
-    return _launch(x, residual, weight, eps, out, residual_out, peer)
+    return _launch(x, residual, weight, eps, out, residual_out)

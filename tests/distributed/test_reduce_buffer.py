@@ -39,7 +39,7 @@ class StubReducer(SymmMemAllReduce):
         self._next = 0
         self.peer = None
         self.reduced = []
-        self.rank, self.fuse = 0, None
+        self.rank, self.fuse_norm = 0, False
         self.sig, self.peer_sig = torch.zeros(4, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
         self.handles = [FakeHandle(self), FakeHandle(self)]
 
@@ -174,9 +174,9 @@ def fake_kernel(monkeypatch):
     return calls
 
 
-def _fused_setup(rows=5, fuse="inline"):
+def _fused_setup(rows=5, fuse=True):
     reducer = StubReducer(max_numel=64 * 16)
-    reducer.fuse = fuse
+    reducer.fuse_norm = fuse
     tp = TPGroup(rank=0, size=2, group=None, reducer=reducer)
     layer = _layer(tp)
     x = torch.randn(rows, 4, generator=torch.Generator().manual_seed(1))
@@ -203,7 +203,7 @@ def test_all_reduce_fused_into_the_norm(fake_kernel):
 
 @pytest.mark.parametrize("case", ["fusion_off", "no_triton_norm"])
 def test_all_reduce_then_norm_when_not_fused(fake_kernel, case):
-    reducer, tp, layer, x, residual, want = _fused_setup(fuse=None if case == "fusion_off" else "inline")
+    reducer, tp, layer, x, residual, want = _fused_setup(fuse=case != "fusion_off")
     norm = StubNorm(16, fused=case != "no_triton_norm")
     normed, res = tp.all_reduce_add_norm(layer(x, reduce=False), residual, norm)
     torch.testing.assert_close(normed, want[0])
@@ -220,7 +220,7 @@ def test_unreduced_partial_outside_the_buffers_goes_through_all_reduce(fake_kern
             return x + 1
 
     reducer = StubReducer(max_numel=4)  # too small: the layer returns a plain tensor
-    reducer.fuse = "inline"
+    reducer.fuse_norm = True
     tp = Group(rank=0, size=2, group=None, reducer=reducer)
     layer = _layer(tp)
     x, residual = torch.randn(3, 4), torch.randn(3, 16)

@@ -31,7 +31,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from nanovllm.kernels import activation, attention, fused_qkv, kvcache, norm, rotary  # noqa: E402
+from nanovllm.kernels import activation, ar_norm, attention, fused_qkv, kvcache, norm, rotary  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -88,9 +88,13 @@ def check(dt: str) -> None:
                                           "SLOTS": "*i64"},
           dict(BLOCK_SIZE=16, HEAD_DIM=128, D_PAD=128, BLOCK_H=8), num_warps=4)
     for has_res in (False, True):
-        build(norm._rms_norm_kernel, {"X": f"*{dt}", "P": f"*{dt}", "R": f"*{dt}", "W": f"*{dt}", "Y": f"*{dt}",
-                                      "S": f"*{dt}", "eps": "fp32"},
-              dict(HAS_PEER=has_res, HAS_RES=has_res, BLOCK=4096), num_warps=norm._num_warps(4096))
+        build(norm._rms_norm_kernel, {"X": f"*{dt}", "R": f"*{dt}", "W": f"*{dt}", "Y": f"*{dt}", "S": f"*{dt}",
+                                      "eps": "fp32"},
+              dict(HAS_RES=has_res, BLOCK=4096), num_warps=norm._num_warps(4096))
+    build(ar_norm._two_rank_add_rms_norm_kernel, {"X": f"*{dt}", "P": f"*{dt}", "R": f"*{dt}", "W": f"*{dt}",
+                                                  "Y": f"*{dt}", "S": f"*{dt}", "SIG_IN": "*i32", "SIG_OUT": "*i32",
+                                                  "eps": "fp32"},
+          dict(BLOCK=4096), num_warps=8)
     build(activation._silu_and_mul_kernel, {"X": f"*{dt}", "Y": f"*{dt}"}, dict(BLOCK=1024), num_warps=4)
     build(rotary._rotary_kernel, {"Q": f"*{dt}", "K": f"*{dt}", "QO": f"*{dt}", "KO": f"*{dt}", "POS": "*i64",
                                   "CS": "*fp32"},

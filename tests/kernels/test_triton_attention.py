@@ -38,20 +38,22 @@ def make_batch(specs, H, Hkv, D, block_size, dtype, device, seed=0, extra_cols=2
             n = min(block_size, s - j * block_size)
             k_cache[bt[b, j], :n] = torch.randn(n, Hkv, D, generator=g)
             v_cache[bt[b, j], :n] = torch.randn(n, Hkv, D, generator=g)
+    # strided views are taken on the device: .to(device) of a non-dense view makes a contiguous copy
+    bt = bt.to(device)
     bt = bt[:, :max_blocks] if strided else bt[:, :max_blocks].contiguous()
     q_lens = torch.tensor([ql for _, ql in specs])
     cu = torch.zeros(len(specs) + 1, dtype=torch.int32)
     cu[1:] = q_lens.cumsum(0)
     T = int(cu[-1])
     if strided:  # q as the leading slice of a fused qkv projection
-        q = torch.randn(T, H + 2 * Hkv, D, generator=g)[:, :H]
+        q = torch.randn(T, H + 2 * Hkv, D, generator=g).to(device=device, dtype=dtype)[:, :H]
     else:
-        q = torch.randn(T, H, D, generator=g)
+        q = torch.randn(T, H, D, generator=g).to(device=device, dtype=dtype)
     seq_lens = torch.tensor([s for s, _ in specs], dtype=torch.int32)
     to = lambda t: t.to(device)  # noqa: E731
-    q, k_cache, v_cache = (to(t.to(dtype)) for t in (q, k_cache, v_cache))
+    k_cache, v_cache = (to(t.to(dtype)) for t in (k_cache, v_cache))
     return dict(q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=to(cu), seq_lens=to(seq_lens),
-                block_tables=to(bt), max_seqlen_q=int(q_lens.max()) if len(specs) else 0)
+                block_tables=bt, max_seqlen_q=int(q_lens.max()) if len(specs) else 0)
 
 
 def reference(batch, scale):

@@ -55,23 +55,6 @@ def test_add_rms_norm(device, dtype):
     torch.testing.assert_close(n, ref_n, **TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_add_rms_norm_with_peer(device, dtype):
-    # the two-rank all-reduce fused into the norm: x + peer (rounded to x's dtype) replaces x
-    x = _rand(6, 96, dtype=dtype, device=device, seed=12)
-    peer = _rand(6, 96, dtype=dtype, device=device, seed=13)
-    r = _rand(6, 96, dtype=dtype, device=device, seed=14)
-    w = _rand(96, dtype=dtype, device=device, seed=15)
-    ref_n, ref_s = add_rms_norm_ref(x + peer, r, w, 1e-6)
-    n, s = add_rms_norm(x, r, w, 1e-6, peer=peer)
-    torch.testing.assert_close(s, ref_s, **TOL[dtype])
-    torch.testing.assert_close(n, ref_n, **TOL[dtype])
-    # without the peer term the result differs (the peer is really read)
-    assert not torch.allclose(add_rms_norm(x, r, w, 1e-6)[1], ref_s)
-    with pytest.raises(ValueError, match="peer"):
-        add_rms_norm(x, r, w, 1e-6, peer=peer[:, :64])
-
-
 def test_rms_norm_fp32_weight_promotes(device):
     x = _rand(3, 64, dtype=torch.float16, device=device, seed=6)
     w = _rand(64, dtype=torch.float32, device=device, seed=7)
