@@ -41,7 +41,9 @@ def tables_for(lens, bs, seed):
     return tables, sum(nb) + 4
 
 
-def decode_case(B, lo, hi, H, head_major, Hkv=8, D=128, bs=256, dev="cuda"):
+def decode_case(B, lo, hi, H, head_major=False, Hkv=8, D=128, bs=256, dev="cuda"):
+    """B sequences of random length in [lo, hi] (blocks in random order): (q, k, v, seq_lens, block_tables,
+    float32 reference output, KV bytes read)."""
     rng = random.Random(B + hi)
     lens = [rng.randint(lo, hi) for _ in range(B)]
     tables, nblocks = tables_for(lens, bs, B)

@@ -11,42 +11,22 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import random
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
 import triton  # noqa: E402
+from decode_layout import decode_case  # noqa: E402
 
-from nanovllm.attention.torch_ref import paged_attention_ref  # noqa: E402
 from nanovllm.kernels.attention import paged_decode_attention  # noqa: E402
-
-
-def case(B, lo, hi, H, Hkv=8, D=128, bs=256, dev="cuda"):
-    rng = random.Random(B + hi)
-    lens = [rng.randint(lo, hi) for _ in range(B)]
-    nb = [-(-n // bs) for n in lens]
-    perm = torch.randperm(sum(nb) + 4).tolist()
-    tables, i = [], 0
-    for n in nb:
-        tables.append(perm[i:i + n] + [0] * (max(nb) - n))
-        i += n
-    k = torch.randn(sum(nb) + 4, bs, Hkv, D, device=dev, dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    q = torch.randn(B, H, D, device=dev, dtype=torch.bfloat16)
-    sl = torch.tensor(lens, dtype=torch.int32, device=dev)
-    bt = torch.tensor(tables, dtype=torch.int32, device=dev)
-    ref = paged_attention_ref(q.float(), k.float(), v.float(), torch.arange(B + 1, dtype=torch.int32, device=dev),
-                              sl, bt, D ** -0.5, 1)
-    return q, k, v, sl, bt, ref, sum(lens) * Hkv * D * 2 * 2
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ns = ap.parse_args()
-    cases = [case(256, 100, 2048, 16), case(256, 100, 2048, 32), case(64, 500, 1500, 16)]
+    cases = [decode_case(256, 100, 2048, 16), decode_case(256, 100, 2048, 32), decode_case(64, 500, 1500, 16)]
     results = []
     for bn, w, st in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
         os.environ["NANOVLLM_DECODE_ATTN"] = f"{bn},{w},{st}"

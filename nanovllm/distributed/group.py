@@ -15,29 +15,29 @@ class TPGroup:
     reducer: Any = None  # SymmMemAllReduce on CUDA when available (else NCCL / gloo do every all-reduce)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum x over the ranks. Returns the sum: x itself (reduced in place), or, through the symmetric-memory
-        reducer, a buffer that stays valid until the next-but-one all-reduce of this group."""
+        """Sum x over the ranks. Returns the sum: x itself (reduced in place: NCCL / gloo, or a tensor from
+        ``reduce_buffer``), or x copied into the symmetric-memory reducer's next buffer and reduced there. A
+        reducer buffer stays valid until the next-but-one all-reduce of this group."""
         if self.size == 1:
             return x
-        if self.reducer is not None and x.is_contiguous():
-            buf = self.reducer.buffer(tuple(x.shape), x.dtype)
+        r = self.reducer
+        if r is not None:
+            if r.owns(x):
+                return r.all_reduce_(x)
+            buf = r.buffer(tuple(x.shape), x.dtype) if x.is_contiguous() else None
             if buf is not None:
                 buf.copy_(x)
-                return self.reducer.all_reduce_(buf)
+                return r.all_reduce_(buf)
         import torch.distributed as dist
         dist.all_reduce(x, group=self.group)
         return x
 
     def reduce_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        """Where a layer may write a partial result to be summed by ``all_reduce_buffer`` without a copy; None
-        when that path isn't available (then call ``all_reduce``)."""
+        """Where a layer may write a partial result for ``all_reduce`` (or ``all_reduce_add_norm``) to sum
+        without a copy; None when that path isn't available."""
         if self.size == 1 or self.reducer is None:
             return None
         return self.reducer.buffer(shape, dtype)
-
-    def all_reduce_buffer(self, buf: torch.Tensor) -> torch.Tensor:
-        """Sum a tensor obtained from ``reduce_buffer`` over the ranks, in place."""
-        return self.reducer.all_reduce_(buf)
 
     def all_reduce_add_norm(self, partial: torch.Tensor, residual: torch.Tensor, norm) -> tuple[torch.Tensor,
                                                                                                torch.Tensor]:
@@ -50,11 +50,9 @@ class TPGroup:
         if self.size == 1:
             return norm(partial, residual)
         r = self.reducer
-        fused = getattr(norm, "fused", None)
-        if r is not None and fused is not None and r.can_fuse_norm(partial):
+        if r is not None and getattr(norm, "fused", None) is not None and r.can_fuse_norm(partial):
             return r.add_rms_norm_(partial, residual, norm.weight, norm.eps)
-        summed = self.all_reduce_buffer(partial) if r is not None and r.owns(partial) else self.all_reduce(partial)
-        return norm(summed, residual)
+        return norm(self.all_reduce(partial), residual)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Stack each rank's x (same shape and dtype on every rank) along a new first dim, rank order:

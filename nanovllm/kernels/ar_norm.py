@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels._common import check_float, check_int, check_same_device, next_pow2
+from nanovllm.kernels.norm import _num_warps, _rms_row
 
 MAX_PROGRAMS = 256  # counters per direction; a program loops over rows beyond this
 
@@ -57,10 +58,7 @@ def _two_rank_add_rms_norm_kernel(
         res = tl.load(R + r64 * stride_r + offs, mask=mask, other=0.0)
         s = (x.to(tl.float32) + res.to(tl.float32)).to(S.dtype.element_ty)
         tl.store(S + r64 * stride_s + offs, s, mask=mask)
-        sf = s.to(tl.float32)
-        var = tl.sum(sf * sf, axis=0) / N
-        h = (sf * tl.rsqrt(var + eps)).to(s.dtype).to(tl.float32)
-        tl.store(Y + r64 * stride_y + offs, (w * h).to(Y.dtype.element_ty), mask=mask)
+        tl.store(Y + r64 * stride_y + offs, (w * _rms_row(s, N, eps)).to(Y.dtype.element_ty), mask=mask)
 
 
 def num_programs(rows: int) -> int:
@@ -111,6 +109,6 @@ def two_rank_add_rms_norm(x: torch.Tensor, peer: torch.Tensor, residual: torch.T
     _two_rank_add_rms_norm_kernel[(num_programs(M),)](
         x, peer, residual, weight, out, new_residual, sig_in, sig_out, M, N, float(eps),
         x.stride(0), peer.stride(0), residual.stride(0), out.stride(0), new_residual.stride(0),
-        BLOCK=BLOCK, num_warps=4 if BLOCK <= 2048 else (8 if BLOCK <= 8192 else 16),
+        BLOCK=BLOCK, num_warps=_num_warps(BLOCK),
     )
     return out, new_residual

@@ -28,11 +28,18 @@ def _rms_norm_kernel(
         r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(S.dtype.element_ty)
         tl.store(S + row * stride_s + offs, x, mask=mask)
-    xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, axis=0) / N
-    h = (xf * tl.rsqrt(var + eps)).to(x.dtype).to(tl.float32)
+    h = _rms_row(x, N, eps)
     w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(Y + row * stride_y + offs, (w * h).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_row(x, N, eps):
+    """One row x (masked lanes zero) normalized in float32 and rounded to x's dtype, as the reference does
+    before scaling; returned as float32."""
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / N
+    return (xf * tl.rsqrt(var + eps)).to(x.dtype).to(tl.float32)
 
 
 def _as_rows(name: str, t: torch.Tensor, N: int, output: bool = False) -> torch.Tensor:

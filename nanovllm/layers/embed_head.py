@@ -46,11 +46,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor:
         logits = F.linear(hidden, self.weight)
-        if not gather:
-            return logits
-        if self.tp.size > 1:
-            logits = self.tp.all_gather_last_dim(logits)
-        return logits[..., :self.vocab_size]
+        return self.vocab_shard().gather(logits) if gather else logits
 
     def vocab_shard(self) -> VocabShard:
         return VocabShard(self.tp, self.vocab_start, self.shard_size, self.vocab_size)

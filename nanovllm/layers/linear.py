@@ -125,13 +125,11 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """The summed output; with reduce=False this rank's partial sum, for ``TPGroup.all_reduce_add_norm``."""
         bias = self.bias if self.tp.rank == 0 else None
-        out = self.tp.reduce_buffer((x.shape[0], self.weight.shape[0]), x.dtype) if x.dim() == 2 else None
-        if out is None:
+        y = self.tp.reduce_buffer((x.shape[0], self.weight.shape[0]), x.dtype) if x.dim() == 2 else None
+        if y is None:
             y = F.linear(x, self.weight, bias)
-            return self.tp.all_reduce(y) if reduce else y
-        # the partial product goes straight into the reducer's buffer (no copy before the all-reduce)
-        if bias is None:
-            torch.mm(x, self.weight.t(), out=out)
+        elif bias is None:  # the partial product goes straight into the reducer's buffer (no copy to reduce it)
+            torch.mm(x, self.weight.t(), out=y)
         else:
-            torch.addmm(bias, x, self.weight.t(), out=out)
-        return self.tp.all_reduce_buffer(out) if reduce else out
+            torch.addmm(bias, x, self.weight.t(), out=y)
+        return self.tp.all_reduce(y) if reduce else y

@@ -86,8 +86,8 @@ class VocabShard:
         return max(0, min(self.size, self.vocab_size - self.start))
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
-        """(B, size) shard logits -> (B, vocab_size) full logits, on every rank."""
-        return self.tp.all_gather_last_dim(local)[:, :self.vocab_size]
+        """(..., size) shard logits -> (..., vocab_size) full logits, on every rank."""
+        return self.tp.all_gather_last_dim(local)[..., :self.vocab_size]
 
 
 @dataclass

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import random
 import signal
 import time
 
@@ -17,6 +16,7 @@ import pytest
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import ModelConfig
 from nanovllm.distributed import check_tp_supported
+from tests.conftest import make_prompts
 from tests.distributed.tp_helpers import assert_workers_gone, engine_cache, gone, ids
 
 MAX_NEW = 10
@@ -37,8 +37,7 @@ CASES = {
 
 
 def _prompts(seed=0, lens=(1, 5, 17, 40)):
-    rng = random.Random(seed)
-    return [[rng.randrange(480) for _ in range(n)] for n in lens]
+    return make_prompts(lens, seed, high=480)
 
 
 

@@ -20,6 +20,7 @@ import pytest
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.batch import SamplingBatch, StepBatch
+from tests.conftest import make_prompts
 from tests.distributed.fake_worker import FAIL_TOKEN, sample
 from tests.distributed.tp_helpers import assert_workers_gone, engine_cache, ids
 
@@ -39,8 +40,7 @@ CASES = {
 
 
 def _prompts(seed=0, lens=(1, 15, 31, 47, 63, 100)):
-    rng = random.Random(seed)
-    return [[rng.randrange(450) for _ in range(n)] for n in lens]
+    return make_prompts(lens, seed, high=450)
 
 
 
