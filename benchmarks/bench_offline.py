@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,6 +25,7 @@ from workload import offline_workload  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.cli import add_engine_args, engine_kwargs  # noqa: E402
 from nanovllm.engine import llm_engine as le  # noqa: E402
+from nanovllm.engine.step_timer import ENV as STEP_TIMING_ENV  # noqa: E402
 
 
 def model_bytes(m, itemsize: int) -> int:
@@ -42,8 +45,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--label", default="")
     ap.add_argument("--step-log", default=None, help="write per-step timings (JSON) here and print a summary")
     ap.add_argument("--gpu-idle", action="store_true",
-                    help="TP=1 on CUDA: time each step on the device with events and report how long the GPU sat "
-                         "idle between steps (waiting for the host)")
+                    help="CUDA: time each step on every rank's device with events (NANOVLLM_STEP_TIMING) and report "
+                         "how long each GPU sat idle between steps (waiting for the host or its worker process)")
     add_engine_args(ap)
     ns = ap.parse_args(argv)
     kwargs = {"max_model_len": 4096, **engine_kwargs(ns)}
@@ -52,6 +55,10 @@ def main(argv=None) -> dict:
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
 
     cuda = torch.cuda.is_available() and kwargs.get("device", "auto") != "cpu"
+    timing_dir = None
+    if ns.gpu_idle and cuda:
+        timing_dir = tempfile.mkdtemp(prefix="nanovllm-steps-")
+        os.environ[STEP_TIMING_ENV] = os.path.join(timing_dir, "steps")  # read by every rank's ModelRunner
     t0 = time.perf_counter()
     llm = LLM(ns.model, **kwargs)
     startup = time.perf_counter() - t0
@@ -82,17 +89,6 @@ def main(argv=None) -> dict:
         return r
 
     llm.generate([[1, 2, 3, 4]] * 4, SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
-    marks = []  # (event before the step's first device work, event after its last)
-    real_launch = runner.launch
-    if ns.gpu_idle and cuda and hasattr(runner, "graphs"):
-        def marked_launch(batch, prev=None):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            r = real_launch(batch, prev)
-            b.record()
-            marks.append((a, b))
-            return r
-        runner.launch = marked_launch
     le.build_step_batch = counting_build
     eng.step = timed_step
     if cuda:
@@ -105,12 +101,6 @@ def main(argv=None) -> dict:
     elapsed = time.perf_counter() - t
     le.build_step_batch = real_build
     eng.step = real_step
-    runner.launch = real_launch
-    if marks:
-        busy = sum(a.elapsed_time(b) for a, b in marks)
-        idle = [marks[i][1].elapsed_time(marks[i + 1][0]) for i in range(len(marks) - 1)]
-        print(f"device: {busy / 1e3:.3f} s inside steps, {sum(idle) / 1e3:.3f} s idle between {len(marks)} steps "
-              f"(median gap {sorted(idle)[len(idle) // 2] * 1e3:.0f} us, {sum(g > 0.05 for g in idle)} gaps > 50 us)")
     if ns.step_log:
         kv_tok = kv_per_token
         with open(ns.step_log, "w") as f:
@@ -149,7 +139,46 @@ def main(argv=None) -> dict:
         with open(ns.json, "a") as f:
             f.write(json.dumps(res) + "\n")
     llm.shutdown()
+    if timing_dir is not None:
+        del os.environ[STEP_TIMING_ENV]
+        res["gpu_idle"] = report_gpu_idle(timing_dir, steps["n"])
+        if ns.json:  # rewrite the line with the idle summary
+            with open(ns.json) as f:
+                lines = f.readlines()
+            lines[-1] = json.dumps(res) + "\n"
+            with open(ns.json, "w") as f:
+                f.writelines(lines)
     return res
+
+
+def report_gpu_idle(timing_dir: str, n_steps: int) -> dict:
+    """Per rank: device time inside the timed run's steps and the gaps between them (the rank files hold the
+    warm-up's steps too: the last n_steps rows are the run's), by batch size."""
+    out = {}
+    for name in sorted(os.listdir(timing_dir)):
+        with open(os.path.join(timing_dir, name)) as f:
+            rows = json.load(f)[-n_steps:]
+        rank = name.rsplit(".", 2)[-2]
+        gaps = [b[0] - a[1] for a, b in zip(rows, rows[1:])]  # before each step but the first
+        busy = sum(r[1] - r[0] for r in rows)
+        buckets = {}
+        for gap, r in zip(gaps, rows[1:]):
+            key = "prefill" if not r[4] else f"decode {min(r[2] // 64 * 64, 192):3d}+"
+            b = buckets.setdefault(key, [0, 0.0, 0.0])
+            b[0] += 1
+            b[1] += gap
+            b[2] += r[1] - r[0]
+        print(f"{rank}: {busy / 1e3:.3f} s inside {len(rows)} steps, {sum(gaps) / 1e3:.3f} s idle between them "
+              f"(median gap {sorted(gaps)[len(gaps) // 2] * 1e3:.0f} us, {sum(g > 0.05 for g in gaps)} gaps > 50 us)")
+        for key in sorted(buckets):
+            n, idle, inside = buckets[key]
+            print(f"    {key:12s} {n:5d} steps: {inside / n:7.3f} ms/step on the device, idle before {idle / n:6.3f} "
+                  f"ms/step ({idle / 1e3:.3f} s)")
+        out[rank] = {"busy_s": round(busy / 1e3, 3), "idle_s": round(sum(gaps) / 1e3, 3),
+                     "by_kind": {k: {"steps": v[0], "idle_s": round(v[1] / 1e3, 3), "busy_s": round(v[2] / 1e3, 3)}
+                                 for k, v in buckets.items()}}
+    shutil.rmtree(timing_dir, ignore_errors=True)
+    return out
 
 
 if __name__ == "__main__":

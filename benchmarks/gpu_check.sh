@@ -2,6 +2,7 @@
 # The whole GPU check-and-bench in one device call:  bash benchmarks/gpu_check.sh [steps...]
 # steps: env kernels kernel_tests parity parity_trained parity32 bench06 bench06sync profile06 profile8 bench8 bench8tp2 online06
 #        gemm gemmlt allreduce tp_parity bench8tp2nccl bench8tp2twoshot sweep bench06best layout
+#        bench8tp2notrim bench8notrim profile8tp2 order bench8tp2noorder bench8noorder
 # (default: env kernels parity bench06 profile06 bench8). online06 needs fastapi/uvicorn: carry .whl and
 # start the command with the wheel install from the device README.
 # Logs go to $OUT (or ./gpu_out); each step has its own time limit and a failure doesn't stop the rest.
@@ -37,9 +38,15 @@ for s in $steps; do
     allreduce) TAIL=40 run allreduce 200 python3 benchmarks/comm_gemm_check.py allreduce ;;
     profile06) TAIL=60 run profile06 240 python3 benchmarks/profile_step.py --model benchmarks/models/qwen3-0.6b --load-format dummy ;;
     bench8) TAIL=40 run bench8 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-}" --step-log "$OUT/steps8.json" --gpu-idle ;;
-    bench8tp2) TAIL=40 run bench8tp2 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --tensor-parallel-size 2 --json "$OUT/bench.jsonl" --label "${LABEL:-} tp2" --step-log "$OUT/steps8tp2.json" ;;
+    bench8tp2) TAIL=40 run bench8tp2 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --tensor-parallel-size 2 --json "$OUT/bench.jsonl" --label "${LABEL:-} tp2" --step-log "$OUT/steps8tp2.json" --gpu-idle ;;
+    bench8tp2notrim) TAIL=40 NANOVLLM_TRIM_LAST_LAYER=0 run bench8tp2notrim 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --tensor-parallel-size 2 --json "$OUT/bench.jsonl" --label "${LABEL:-} tp2 no trim" --step-log "$OUT/steps8tp2notrim.json" ;;
+    bench8notrim) TAIL=40 NANOVLLM_TRIM_LAST_LAYER=0 run bench8notrim 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-} no trim" --step-log "$OUT/steps8notrim.json" ;;
+    profile8tp2) TAIL=10 NANOVLLM_PROFILE_STEPS="$OUT/prof8tp2-decode:300:3:decode,$OUT/prof8tp2-prefill:3:1:prefill" run profile8tp2 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --tensor-parallel-size 2 --label "${LABEL:-} tp2 profiled" ;;
     online06) TAIL=40 run online06 400 python3 benchmarks/online_bench.py --model benchmarks/models/qwen3-0.6b --load-format dummy --max-model-len 4096 --rates "${RATES:-16,64,inf}" --output "$OUT/online06.json" ;;
     layout) TAIL=60 run layout 300 python3 benchmarks/decode_layout.py ;;
+    order) TAIL=20 run order 300 python3 benchmarks/decode_order.py ;;
+    bench8tp2noorder) TAIL=40 NANOVLLM_DECODE_ORDER=0 run bench8tp2noorder 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --tensor-parallel-size 2 --json "$OUT/bench.jsonl" --label "${LABEL:-} tp2 batch order" --step-log "$OUT/steps8tp2noorder.json" ;;
+    bench8noorder) TAIL=40 NANOVLLM_DECODE_ORDER=0 run bench8noorder 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-} batch order" --step-log "$OUT/steps8noorder.json" ;;
     sweep) TAIL=40 run sweep 300 python3 benchmarks/decode_sweep.py --out "$OUT/best_decode.txt" ;;
     bench06best) TAIL=20 NANOVLLM_DECODE_ATTN=$(cat "$OUT/best_decode.txt") run bench06best 300 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-0.6b --load-format dummy --json "$OUT/bench.jsonl" --label "decode cfg $(cat "$OUT/best_decode.txt")" ;;
     *) echo "unknown step $s" ;;

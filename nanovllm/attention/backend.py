@@ -1,10 +1,10 @@
 """The attention-backend interface and its registry.
 
 A backend receives one step's flat batch (see `torch_ref` for the layout) and must:
-  * write this step's K/V into the paged cache at `slot_mapping` (slot -1: skip), then
-  * return causal attention of the queries over each sequence's cached tokens.
-`forward` does both; `attend` only the second, for callers that already stored K/V (the fused
-QK-norm + RoPE + KV-store kernel).
+  * write this step's K/V into the paged cache at `slot_mapping` (slot -1: skip): `store`, then
+  * return causal attention of the queries over each sequence's cached tokens: `attend`.
+`forward` does both; callers that already stored K/V (the fused QK-norm + RoPE + KV-store kernel) call
+`attend` alone, and a model that needs the output of only some rows stores all and attends for those.
 Everything in `AttentionMetadata` is a device tensor except `max_seqlen_q` and `is_decode`, which are
 host values fixed per captured CUDA graph, so a backend can run inside a graph with padded slots.
 """
@@ -26,13 +26,24 @@ class AttentionMetadata:
     block_tables: torch.Tensor   # (B, max_blocks) -1 padded
     max_seqlen_q: int            # host: longest query chunk in the batch
     is_decode: bool              # host: every sequence has exactly one query token
+    # decode: optional (B,) permutation, the order in which a backend should schedule the sequences (longest
+    # first balances the device); results don't depend on it
+    decode_order: torch.Tensor | None = None
+
+
+@dataclass
+class OutputRows:
+    """The rows of a step whose outputs are used (the sampled ones), for a model that computes its last layer
+    for those rows only: after the last layer's K/V of every row are stored, each of these rows attends as a
+    single query over its sequence's cache (decode-style metadata)."""
+    rows: torch.Tensor           # (S,) row indices into the step's T rows
+    meta: AttentionMetadata      # S one-token queries: cu_seqlens_q = 0..S, each row's seq_len and block table
 
 
 class AttentionBackend(ABC):
     """Computes attention over the paged KV cache."""
     name: str = ""
 
-    @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Store k, v (T, Hkv, D) in the cache, then attend.
@@ -45,6 +56,13 @@ class AttentionBackend(ABC):
         Returns:
             (T, H, D) attention output.
         """
+        self.store(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k_cache, v_cache, meta, scale)
+
+    @abstractmethod
+    def store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+        """Write k, v (T, Hkv, D) into the cache at slot_mapping (T,); slot -1 is skipped."""
 
     @abstractmethod
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -56,9 +74,8 @@ class TorchAttentionBackend(AttentionBackend):
     """Plain torch (runs anywhere); the reference for the Triton kernels."""
     name = "torch"
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
-        store_kvcache_ref(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self.attend(q, k_cache, v_cache, meta, scale)
+    def store(self, k, v, k_cache, v_cache, slot_mapping):
+        store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
 
     def attend(self, q, k_cache, v_cache, meta, scale):
         return paged_attention_ref(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
@@ -75,13 +92,13 @@ class TritonAttentionBackend(AttentionBackend):
             raise ValueError("attention_backend='triton' needs the triton package; use attention_backend='torch'")
         self.k = kernels
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
-        self.k.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self.attend(q, k_cache, v_cache, meta, scale)
+    def store(self, k, v, k_cache, v_cache, slot_mapping):
+        self.k.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
 
     def attend(self, q, k_cache, v_cache, meta, scale):
         if meta.is_decode:
-            return self.k.paged_decode_attention(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale)
+            return self.k.paged_decode_attention(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
+                                                 order=meta.decode_order)
         return self.k.paged_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
                                               meta.block_tables, scale, meta.max_seqlen_q)
 

@@ -201,9 +201,8 @@ def worker_main(spec: WorkerSpec, conn) -> None:
         conn.send(Ready(rank, os.getpid(), runner.num_kvcache_blocks, timings))
         in_init = False
         cuda = spec.config.device.type == "cuda"
-        if serve_steps(conn, rank, runner, report_first=not cuda) and cuda:
-            import torch
-            torch.cuda.synchronize()  # nothing of ours still running when the group is destroyed
+        if serve_steps(conn, rank, runner, report_first=not cuda):
+            runner.shutdown()  # waits for the device: nothing of ours still running when the group is destroyed
     except BaseException as e:  # noqa: BLE001 - reported to the driver, then exit non-zero
         code = 1
         try:

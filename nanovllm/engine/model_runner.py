@@ -3,16 +3,18 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import time
 from dataclasses import dataclass, replace
 
 import torch
 
-from nanovllm.attention.backend import AttentionMetadata, get_attention_backend
+from nanovllm.attention.backend import AttentionMetadata, OutputRows, get_attention_backend
 from nanovllm.config import EngineConfig
 from nanovllm.distributed.group import TPGroup
 from nanovllm.engine.batch import SamplingBatch, StepBatch
 from nanovllm.engine.step_inputs import Layout, Staging
+from nanovllm.engine.step_timer import StepProfiler, StepTimer
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from nanovllm.models.loader import init_dummy, load_safetensors
@@ -54,6 +56,12 @@ class ModelRunner:
         if config.attention_backend == "triton" and self.device.type == "cuda":
             self._install_fused_ops()
         self.staging = Staging(self.device)
+        # prefill steps run the last layer for the sampled rows only (NANOVLLM_TRIM_LAST_LAYER=0: every row)
+        self.trim_last_layer = os.environ.get("NANOVLLM_TRIM_LAST_LAYER", "1") != "0"
+        # decode attention launches the longest sequences first (NANOVLLM_DECODE_ORDER=0: batch order)
+        self.decode_order = os.environ.get("NANOVLLM_DECODE_ORDER", "1") != "0"
+        self.timer = StepTimer.from_env(self.device, self.tp.rank)
+        self.profilers = StepProfiler.from_env(self.device, self.tp.rank)
         # the latest step's sampled ids, read on the device by the next step's placeholder inputs
         self.sampled_buf = torch.zeros(max(config.max_num_seqs, 1), dtype=torch.int64, device=self.device)
         self.num_kvcache_blocks = self._allocate_kv_cache()
@@ -223,7 +231,8 @@ class ModelRunner:
 
     def _graph_forward(self, bs: int, v: dict) -> torch.Tensor:
         meta = AttentionMetadata(v["slots"], self.g_cu[:bs + 1], v["seq_lens"], v["tables"].view(bs, self.graph_width),
-                                 max_seqlen_q=1, is_decode=True)
+                                 max_seqlen_q=1, is_decode=True,
+                                 decode_order=v["order"] if self.decode_order else None)
         ids = torch.where(v["src"] >= 0, self.sampled_buf[v["src"].clamp(min=0)], v["ids"])
         return self.model.compute_logits(self.model(ids, v["pos"], meta), gather=self.tp.size == 1)  # (bs, V | shard)
 
@@ -250,6 +259,17 @@ class ModelRunner:
         if self.model is None:
             raise RuntimeError("the model runner has been shut down")
         n, S = batch.num_seqs, len(batch.sample_rows)
+        for p in self.profilers:
+            p.before(batch.is_decode)
+        started = self.timer.start() if self.timer is not None else None
+        pending = self._launch(batch, n, S)
+        if started is not None:
+            self.timer.end(started, n, batch.num_tokens, batch.is_decode)
+        for p in self.profilers:
+            p.after(batch.is_decode)
+        return pending
+
+    def _launch(self, batch: StepBatch, n: int, S: int) -> PendingStep:
         if batch.is_decode and self.graphs and n <= self.graph_sizes[-1]:
             bs = self.graph_sizes[bisect.bisect_left(self.graph_sizes, n)]
             v = self.staging.upload(batch, self.graph_layouts[bs], self.g_stage)
@@ -259,14 +279,27 @@ class ModelRunner:
             width = max((len(t) for t in batch.block_tables), default=1)
             v = self.staging.upload(batch, Layout.make(batch.num_tokens, n, width, S, len(batch.sampling.banned)))
             meta = AttentionMetadata(v["slots"], v["cu"], v["seq_lens"], v["tables"].view(n, width),
-                                     max_seqlen_q=batch.max_seqlen_q, is_decode=batch.is_decode)
+                                     max_seqlen_q=batch.max_seqlen_q, is_decode=batch.is_decode,
+                                     decode_order=v["order"] if batch.is_decode and self.decode_order else None)
             ids = v["ids"]
             if batch.placeholder_pos:
                 ids = torch.where(v["src"] >= 0, self.sampled_buf[v["src"].clamp(min=0)], ids)
-            hidden = self.model(ids, v["pos"], meta)                           # (T, hidden)
             if not S:
+                self.model(ids, v["pos"], meta)                                # fills the KV cache; nothing samples
                 return PendingStep(sampled=None, rank=self.tp.rank)
-            logits = self.model.compute_logits(hidden[v["last"]], gather=self.tp.size == 1)  # (S, vocab | shard)
+            if self.trim_last_layer and S < batch.num_tokens:
+                # only the sampled rows' hidden states are used: the last layer stores every row's K/V, then
+                # attends (one query per sampled row) and runs its MLP for those rows alone
+                seqs = v["sample_seqs"]
+                # (one-token queries through the varlen kernel: its variant for short queries is compiled at
+                # start-up, where the decode kernel's split count would vary with each step's rows)
+                rows = OutputRows(v["last"], AttentionMetadata(
+                    v["slots"][:0], torch.arange(S + 1, dtype=torch.int32, device=self.device),
+                    meta.seq_lens[seqs], meta.block_tables[seqs], max_seqlen_q=1, is_decode=False))
+                hidden = self.model(ids, v["pos"], meta, rows)                 # (S, hidden)
+            else:
+                hidden = self.model(ids, v["pos"], meta)[v["last"]]            # (T, hidden) -> (S, hidden)
+            logits = self.model.compute_logits(hidden, gather=self.tp.size == 1)  # (S, vocab | shard)
         # sampling is a pure function of the full logits and the seeds; under TP every rank holds its vocabulary
         # shard and the sampler exchanges per-row partials (or gathers the logits), so every rank samples the same
         # ids: each keeps them on its device for the next step's placeholder inputs
@@ -287,6 +320,8 @@ class ModelRunner:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        if self.timer is not None:
+            self.timer.write()
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = None
         self.graphs = {}

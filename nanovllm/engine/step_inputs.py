@@ -18,6 +18,7 @@ _FIELDS: tuple[tuple[str, torch.dtype], ...] = (
     ("seeds", torch.int64),
     ("ids", torch.int32), ("src", torch.int32), ("pos", torch.int32), ("slots", torch.int32),
     ("cu", torch.int32), ("seq_lens", torch.int32), ("tables", torch.int32), ("last", torch.int32),
+    ("sample_seqs", torch.int32), ("order", torch.int32),
     ("steps", torch.int32), ("top_ks", torch.int32), ("banned_rows", torch.int32), ("banned_tokens", torch.int32),
     ("temps", torch.float32), ("top_ps", torch.float32), ("min_ps", torch.float32),
 )
@@ -38,8 +39,9 @@ class Layout:
 
     @classmethod
     def make(cls, T: int, B: int, W: int, S: int, NB: int = 0) -> Layout:
-        sizes = {"ids": T, "src": T, "pos": T, "slots": T, "cu": B + 1, "seq_lens": B, "tables": B * W,
-                 "last": S, "steps": S, "top_ks": S, "banned_rows": NB, "banned_tokens": NB, "seeds": S,
+        sizes = {"ids": T, "src": T, "pos": T, "slots": T, "cu": B + 1, "seq_lens": B, "order": B, "tables": B * W,
+                 "last": S, "sample_seqs": S, "steps": S, "top_ks": S, "banned_rows": NB, "banned_tokens": NB,
+                 "seeds": S,
                  "temps": S, "top_ps": S, "min_ps": S}
         off, fields = 0, {}
         for name, dtype in _FIELDS:
@@ -84,6 +86,10 @@ def pack(batch: StepBatch, layout: Layout, host: torch.Tensor) -> None:
     arr["seq_lens"][:B] = batch.seq_lens
     if layout.B > B:
         arr["seq_lens"][B:] = 0
+    if batch.is_decode:  # the decode kernel launches the longest sequences first; padding rows last
+        order = arr["order"]
+        order[:B] = np.argsort(-np.asarray(batch.seq_lens), kind="stable")
+        order[B:] = np.arange(B, layout.B)
     W = layout.W
     tables = arr["tables"]
     tables[:] = 0  # columns past a sequence's last block are never used, but must be valid block ids
@@ -91,6 +97,7 @@ def pack(batch: StepBatch, layout: Layout, host: torch.Tensor) -> None:
         tables[i * W:i * W + len(t)] = t
     cu_q = batch.cu_seqlens_q
     arr["last"][:len(batch.sample_rows)] = [cu_q[b + 1] - 1 for b in batch.sample_rows]
+    arr["sample_seqs"][:len(batch.sample_rows)] = batch.sample_rows
     sb = batch.sampling
     arr["steps"][:S] = sb.steps
     arr["top_ks"][:S] = sb.top_ks

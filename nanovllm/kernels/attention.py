@@ -167,12 +167,12 @@ def _prefill_kernel(
 
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
-    Q, K, V, Out, PART_O, PART_LSE, SEQ_LENS, BT, qk_scale,
+    Q, K, V, Out, PART_O, PART_LSE, SEQ_LENS, BT, ORDER, qk_scale,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt,
     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-    HEADS_FIRST: tl.constexpr,
+    HEADS_FIRST: tl.constexpr, USE_ORDER: tl.constexpr,
 ):
     # HEADS_FIRST: grid (Hkv, B, splits), so the programs of one sequence's KV heads are launched together
     if HEADS_FIRST:
@@ -183,6 +183,9 @@ def _decode_kernel(
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         H = tl.num_programs(1) * G
+    if USE_ORDER:
+        # the b-th program to launch takes sequence ORDER[b] (longest first: the short ones fill the tail)
+        b = tl.load(ORDER + b)
     split = tl.program_id(2)
     seq_len = tl.load(SEQ_LENS + b).to(tl.int32)
     # each sequence's own length is split evenly (in whole tiles) over the NUM_SPLITS programs
@@ -410,7 +413,8 @@ def decode_workspace_numel(batch: int, num_heads: int, head_dim: int, num_splits
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                            block_tables: torch.Tensor, scale: float, out: torch.Tensor | None = None, *,
-                           num_splits: int | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, workspace: torch.Tensor | None = None,
+                           order: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence at position seq_len - 1 (``paged_attention_ref`` with cu_seqlens_q = arange(B+1)).
 
     Args:
@@ -421,6 +425,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_splits: KV splits (1 = single pass, no workspace); default: ``decode_num_splits`` of the shapes.
         workspace: optional flat float32 buffer of >= ``decode_workspace_numel(B, H, D, num_splits)`` elements
             (otherwise one is allocated, sized from shapes only).
+        order: optional (B,) int permutation of 0..B-1: the order in which sequences are launched (not checked on
+            the device: anything else leaves rows unwritten). Longest first balances the GPU's tail: the programs
+            of long sequences start early and short ones fill the gaps. Results don't depend on it.
     CUDA-graph safe: no host sync, launch sizes and allocations depend on shapes only.
     """
     fn = "paged_decode_attention"
@@ -428,6 +435,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                                             q.shape)
     if q.shape[0] != B:
         raise ValueError(f"{fn}: q has {q.shape[0]} rows but seq_lens has {B} sequences")
+    if order is not None:
+        check_int(f"{fn}: order", order)
+        if order.shape != (B,) or not order.is_contiguous():
+            raise ValueError(f"{fn}: order must be a contiguous ({B},) permutation, got {tuple(order.shape)}")
+        check_same_device(q=q, order=order)
     if B == 0:
         return out
     if num_splits is None:
@@ -440,15 +452,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     BLOCK_N, warps, stages, heads_first = _decode_launch(D, q.dtype)
     prec = _dot_precision(q.dtype)
     common = dict(G=G, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, HEAD_DIM=D, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
-                  PREC=prec, UPCAST=_upcast_dots(q.dtype), HEADS_FIRST=heads_first, num_warps=warps,
-                  num_stages=stages)
+                  PREC=prec, UPCAST=_upcast_dots(q.dtype), HEADS_FIRST=heads_first, USE_ORDER=order is not None,
+                  num_warps=warps, num_stages=stages)
     grid = (Hkv, B, num_splits) if heads_first else (B, Hkv, num_splits)
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
     qk_scale = float(scale) * _LOG2E
     if num_splits == 1:
-        _decode_kernel[grid](q, k_cache, v_cache, out, out, out, seq_lens, block_tables, qk_scale,
-                                    *strides, **common)
+        _decode_kernel[grid](q, k_cache, v_cache, out, out, out, seq_lens, block_tables,
+                             seq_lens if order is None else order, qk_scale, *strides, **common)
         return out
     need = decode_workspace_numel(B, H, D, num_splits)
     if workspace is None:
@@ -461,7 +473,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     part_o = workspace[: B * H * num_splits * D]
     part_lse = workspace[B * H * num_splits * D: need]
     _decode_kernel[grid](q, k_cache, v_cache, out, part_o, part_lse, seq_lens, block_tables,
-                                         qk_scale, *strides, **common)
+                         seq_lens if order is None else order, qk_scale, *strides, **common)
     _decode_reduce_kernel[(B, H)](part_o, part_lse, out, out.stride(0), out.stride(1),
                                   NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits), HEAD_DIM=D,
                                   num_warps=4)

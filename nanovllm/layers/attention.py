@@ -24,6 +24,12 @@ class Attention(nn.Module):
         o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)  # (T, H, D)
         return o.reshape(T, self.num_heads * self.head_dim)
 
+    def store(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Write this step's keys and values (T, Hkv * D) into the cache (the first half of ``forward``)."""
+        T = k.shape[0]
+        self.backend.store(k.view(T, self.num_kv_heads, self.head_dim), v.view(T, self.num_kv_heads, self.head_dim),
+                           self.k_cache, self.v_cache, meta.slot_mapping)
+
     def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Attention of q (T, H, D) over the cache, whose K/V for this step were already stored."""
         T = q.shape[0]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanovllm.attention.backend import AttentionMetadata
+from nanovllm.attention.backend import AttentionMetadata, OutputRows
 from nanovllm.config import ModelConfig
 from nanovllm.distributed.group import TPGroup
 from nanovllm.layers.activation import silu_and_mul_ref
@@ -51,8 +51,9 @@ class DecoderAttention(nn.Module):
         self.fused_qkv = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
-                reduce: bool = True) -> torch.Tensor:
-        """reduce=False: this rank's partial sum of the output (see ``TPGroup.all_reduce_add_norm``)."""
+                reduce: bool = True, out_rows: OutputRows | None = None) -> torch.Tensor:
+        """reduce=False: this rank's partial sum of the output (see ``TPGroup.all_reduce_add_norm``).
+        out_rows: store every row's K/V, but attend and project only these rows: returns (S, hidden)."""
         T = x.shape[0]
         qkv = self.qkv_proj(x)                                                   # (T, (H + 2Hkv) D)
         if self.fused_qkv is not None:
@@ -61,15 +62,17 @@ class DecoderAttention(nn.Module):
                                None if qn is None else qn.weight, None if kn is None else kn.weight,
                                0.0 if qn is None else qn.eps, self.attn.k_cache, self.attn.v_cache,
                                meta.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim)  # (T, H, D)
-            return self.o_proj(self.attn.attend(q, meta), reduce)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(T, self.num_heads, self.head_dim)
-        k = k.reshape(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q, k, v.reshape(T, self.num_kv_heads, self.head_dim), meta)  # (T, H D)
-        return self.o_proj(o, reduce)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.reshape(T, self.num_heads, self.head_dim)
+            k = k.reshape(T, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary_emb(positions, q, k)
+            self.attn.store(k, v, meta)
+        if out_rows is not None:
+            q, meta = q[out_rows.rows], out_rows.meta
+        return self.o_proj(self.attn.attend(q, meta), reduce)                   # (T | S, hidden)
 
 
 def install_fused_qkv(model: nn.Module, op) -> int:
@@ -107,15 +110,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual, meta):
+    def forward(self, positions, hidden, residual, meta, out_rows: OutputRows | None = None):
         """hidden: the embeddings (residual None, first layer) or the previous layer's output as this rank's
         partial sum; returns this layer's output the same way. Each partial sum is reduced over the TP ranks
-        together with the residual add + RMSNorm that follows it (``TPGroup.all_reduce_add_norm``)."""
+        together with the residual add + RMSNorm that follows it (``TPGroup.all_reduce_add_norm``).
+        With out_rows, only those rows come out (every row's K/V is still stored)."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.tp.all_reduce_add_norm(hidden, residual, self.input_layernorm)
-        hidden = self.self_attn(positions, hidden, meta, reduce=False)
+        hidden = self.self_attn(positions, hidden, meta, reduce=False, out_rows=out_rows)
+        if out_rows is not None:
+            residual = residual[out_rows.rows]
         hidden, residual = self.tp.all_reduce_add_norm(hidden, residual, self.post_attention_layernorm)
         return self.mlp(hidden, reduce=False), residual
 
@@ -128,10 +134,13 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(cfg, variant, tp) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids, positions, meta):
+    def forward(self, input_ids, positions, meta, out_rows: OutputRows | None = None):
+        """The final hidden states (T, hidden); with out_rows (S rows), those rows only: the last layer then
+        attends and runs its MLP for them alone (the rest of the step only writes the KV cache there)."""
         hidden, residual = self.embed_tokens(input_ids), None       # (T, hidden)
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, meta)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(positions, hidden, residual, meta, out_rows if i == last else None)
         hidden, _ = self.tp.all_reduce_add_norm(hidden, residual, self.norm)
         return hidden
 
@@ -151,8 +160,9 @@ class DecoderForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                out_rows: OutputRows | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, out_rows)
 
     def compute_logits(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor:
         """(N, vocab) logits in the model's dtype; with gather=False this rank's (N, vocab shard) slice only."""

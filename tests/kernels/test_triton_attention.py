@@ -166,6 +166,24 @@ def test_decode_grid_orders(device, monkeypatch, heads_first, num_splits):
     torch.testing.assert_close(out, reference(batch, 0.3), **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_launch_order(device, num_splits):
+    # a launch order (longest first, as the engine passes it) changes which program takes which sequence,
+    # never the result: bit-identical to batch order
+    batch = make_batch(DECODE, 4, 2, 32, 16, torch.float32, device, seed=21)
+    args = (batch["q"], batch["k_cache"], batch["v_cache"], batch["seq_lens"], batch["block_tables"], 0.4)
+    plain = paged_decode_attention(*args, num_splits=num_splits)
+    order = torch.argsort(batch["seq_lens"].cpu(), descending=True, stable=True).to(torch.int32)
+    assert not torch.equal(order, torch.arange(len(order), dtype=torch.int32))
+    out = paged_decode_attention(*args, num_splits=num_splits, order=order.to(batch["q"].device))
+    assert torch.equal(out, plain)
+    torch.testing.assert_close(out, reference(batch, 0.4), **TOL[torch.float32])
+    with pytest.raises(ValueError, match="order"):
+        paged_decode_attention(*args, order=order[:-1].to(batch["q"].device))
+    with pytest.raises(ValueError, match="order"):
+        paged_decode_attention(*args, order=order.float().to(batch["q"].device))
+
+
 def test_decode_launch_override_checked(device, monkeypatch):
     monkeypatch.setenv("NANOVLLM_DECODE_ATTN", "32,4")
     batch = make_batch(DECODE, 2, 1, 16, 16, torch.float32, device)
