@@ -121,6 +121,12 @@ def _ar_worker(rank, world, port, q):
             t.copy_(x)
             if reducer.fuse_norm:
                 res["fused"] = bench(lambda t=t, r=resid, w=w: reducer.add_rms_norm_(t, r, w, 1e-6), iters=72)
+                default = reducer.programs
+                for progs in (512, 1024) if M > 256 else ():  # more programs: more peer loads in flight
+                    reducer.programs = progs
+                    res[f"fused/{progs}"] = bench(lambda t=t, r=resid, w=w: reducer.add_rms_norm_(t, r, w, 1e-6),
+                                                  iters=72)
+                reducer.programs = default
                 got = reducer.add_rms_norm_(t, resid, w, 1e-6)
                 ref_sum = x.clone()
                 dist.all_reduce(ref_sum)

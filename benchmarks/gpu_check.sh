@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU check-and-bench in one device call:  bash benchmarks/gpu_check.sh [steps...]
-# steps: env kernels kernel_tests parity parity_trained parity32 bench06 bench06sync profile06 profile8 bench8 bench8tp2 online06
+# steps: env kernels kernel_tests kernel_tests_attn_ar parity parity_trained parity32 bench06 bench06sync profile06 profile8 bench8 bench8tp2 online06
 #        gemm gemmlt allreduce tp_parity bench8tp2nccl bench8tp2twoshot sweep bench06best layout
-#        bench8tp2notrim bench8notrim profile8tp2 order bench8tp2noorder bench8noorder
+#        bench8tp2notrim bench8notrim profile8tp2 order bench8tp2noorder bench8noorder bench8tp2ar1024
 # (default: env kernels parity bench06 profile06 bench8). online06 needs fastapi/uvicorn: carry .whl and
 # start the command with the wheel install from the device README.
 # Logs go to $OUT (or ./gpu_out); each step has its own time limit and a failure doesn't stop the rest.
@@ -24,6 +24,7 @@ for s in $steps; do
     env) run env 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv; python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"' ;;
     kernels) run kernels 240 python3 benchmarks/kernel_check.py ;;
     kernel_tests) run kernel_tests 400 python3 -m pytest tests/kernels -q -x ;;
+    kernel_tests_attn_ar) run kernel_tests_attn_ar 300 python3 -m pytest tests/kernels/test_triton_attention.py tests/kernels/test_triton_ar_norm.py -q -x ;;
     parity) run parity 240 python3 benchmarks/parity_bf16.py ;;
     parity_trained) run parity_trained 300 python3 benchmarks/parity_bf16.py --model trained ;;
     parity32) run parity32 240 python3 benchmarks/parity_bf16.py --dtype float32 --num-prompts 16 ;;
@@ -39,6 +40,7 @@ for s in $steps; do
     profile06) TAIL=60 run profile06 240 python3 benchmarks/profile_step.py --model benchmarks/models/qwen3-0.6b --load-format dummy ;;
     bench8) TAIL=40 run bench8 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-}" --step-log "$OUT/steps8.json" --gpu-idle ;;
     bench8tp2) TAIL=40 run bench8tp2 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --tensor-parallel-size 2 --json "$OUT/bench.jsonl" --label "${LABEL:-} tp2" --step-log "$OUT/steps8tp2.json" --gpu-idle ;;
+    bench8tp2ar1024) TAIL=40 NANOVLLM_AR_PROGRAMS=1024 run bench8tp2ar1024 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --tensor-parallel-size 2 --json "$OUT/bench.jsonl" --label "${LABEL:-} tp2 ar1024" --step-log "$OUT/steps8tp2ar1024.json" ;;
     bench8tp2notrim) TAIL=40 NANOVLLM_TRIM_LAST_LAYER=0 run bench8tp2notrim 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --tensor-parallel-size 2 --json "$OUT/bench.jsonl" --label "${LABEL:-} tp2 no trim" --step-log "$OUT/steps8tp2notrim.json" ;;
     bench8notrim) TAIL=40 NANOVLLM_TRIM_LAST_LAYER=0 run bench8notrim 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-} no trim" --step-log "$OUT/steps8notrim.json" ;;
     profile8tp2) TAIL=10 NANOVLLM_PROFILE_STEPS="$OUT/prof8tp2-decode:300:3:decode,$OUT/prof8tp2-prefill:3:1:prefill" run profile8tp2 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --tensor-parallel-size 2 --label "${LABEL:-} tp2 profiled" ;;

@@ -61,7 +61,12 @@ class SymmMemAllReduce:
         self._next = 0
         self.fuse_norm = fuse_norm and world_size == 2
         if self.fuse_norm:  # the kernel's handshake counters (nanovllm.kernels.ar_norm)
-            from nanovllm.kernels.ar_norm import MAX_PROGRAMS
+            from nanovllm.kernels.ar_norm import DEFAULT_PROGRAMS, MAX_PROGRAMS
+            # programs per fused launch (NANOVLLM_AR_PROGRAMS, for tuning; every rank reads the same environment)
+            env = os.environ.get("NANOVLLM_AR_PROGRAMS", "")
+            if env and not (env.isdigit() and 1 <= int(env) <= MAX_PROGRAMS):
+                raise ValueError(f"NANOVLLM_AR_PROGRAMS must be an int in [1, {MAX_PROGRAMS}], got {env!r}")
+            self.programs = int(env) if env else DEFAULT_PROGRAMS
             self.sig = symm_mem.empty(MAX_PROGRAMS, dtype=torch.int32, device=device)
             sig_handle = symm_mem.rendezvous(self.sig, self.group_name)
             self.sig.zero_()
@@ -153,4 +158,4 @@ class SymmMemAllReduce:
         call."""
         from nanovllm.kernels.ar_norm import two_rank_add_rms_norm
         peer = self.handles[self._index(t)].get_buffer(1 - self.rank, tuple(t.shape), t.dtype)
-        return two_rank_add_rms_norm(t, peer, residual, weight, eps, self.sig, self.peer_sig)
+        return two_rank_add_rms_norm(t, peer, residual, weight, eps, self.sig, self.peer_sig, self.programs)

@@ -28,7 +28,19 @@ import triton.language as tl
 from nanovllm.kernels._common import check_float, check_int, check_same_device, next_pow2
 from nanovllm.kernels.norm import _num_warps, _rms_row
 
-MAX_PROGRAMS = 256  # counters per direction; a program loops over rows beyond this
+MAX_PROGRAMS = 1024      # counters per direction: the most programs one launch may use
+DEFAULT_PROGRAMS = 256   # programs per launch unless asked otherwise; a program loops over rows beyond this
+
+
+@triton.jit
+def _two_rank_row(x, res, r64, X, P, W_row, Y, S, N, eps, offs, mask, stride_p, stride_y, stride_s):
+    """Finish one row: this rank's partial x and the residual (both loaded), plus the peer's partial, normalized."""
+    # the peer's partial, through its mapping: ".cv" fetches it again, never a stale cached line
+    p = tl.load(P + r64 * stride_p + offs, mask=mask, other=0.0, cache_modifier=".cv")
+    x = (x.to(tl.float32) + p.to(tl.float32)).to(X.dtype.element_ty)
+    s = (x.to(tl.float32) + res.to(tl.float32)).to(S.dtype.element_ty)
+    tl.store(S + r64 * stride_s + offs, s, mask=mask)
+    tl.store(Y + r64 * stride_y + offs, (W_row * _rms_row(s, N, eps)).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -39,42 +51,45 @@ def _two_rank_add_rms_norm_kernel(
 ):
     pid = tl.program_id(0)
     G = tl.num_programs(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    pid64 = pid.to(tl.int64)
     tl.atomic_add(SIG_OUT + pid, 1, sem="release", scope="sys")
+    # this rank's inputs are ready (written by earlier work on this stream): load the first row's partial and
+    # residual and the weight while waiting for the peer. (After the signal: a release waits for the memory
+    # accesses before it, which would delay the peer.)
+    x0 = tl.load(X + pid64 * stride_x + offs, mask=mask, other=0.0)
+    res0 = tl.load(R + pid64 * stride_r + offs, mask=mask, other=0.0)
+    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
     seen = tl.atomic_add(SIG_IN + pid, 0, sem="acquire", scope="sys")
     while seen < 1:
         seen = tl.atomic_add(SIG_IN + pid, 0, sem="acquire", scope="sys")
     tl.atomic_add(SIG_IN + pid, -1, sem="relaxed", scope="sys")
 
-    offs = tl.arange(0, BLOCK)
-    mask = offs < N
-    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
-    pid64 = pid.to(tl.int64)
-    for i in range(0, tl.cdiv(M - pid, G)):
+    _two_rank_row(x0, res0, pid64, X, P, w, Y, S, N, eps, offs, mask, stride_p, stride_y, stride_s)
+    for i in range(1, tl.cdiv(M - pid, G)):
         r64 = pid64 + i * G
         x = tl.load(X + r64 * stride_x + offs, mask=mask, other=0.0)
-        # the peer's partial, through its mapping: ".cv" fetches it again, never a stale cached line
-        p = tl.load(P + r64 * stride_p + offs, mask=mask, other=0.0, cache_modifier=".cv")
-        x = (x.to(tl.float32) + p.to(tl.float32)).to(X.dtype.element_ty)
         res = tl.load(R + r64 * stride_r + offs, mask=mask, other=0.0)
-        s = (x.to(tl.float32) + res.to(tl.float32)).to(S.dtype.element_ty)
-        tl.store(S + r64 * stride_s + offs, s, mask=mask)
-        tl.store(Y + r64 * stride_y + offs, (w * _rms_row(s, N, eps)).to(Y.dtype.element_ty), mask=mask)
+        _two_rank_row(x, res, r64, X, P, w, Y, S, N, eps, offs, mask, stride_p, stride_y, stride_s)
 
 
-def num_programs(rows: int) -> int:
-    """Programs (= counters used per direction) for ``rows`` rows: a function of the row count only."""
-    return max(1, min(rows, MAX_PROGRAMS))
+def num_programs(rows: int, max_programs: int = DEFAULT_PROGRAMS) -> int:
+    """Programs (= counters used per direction) for ``rows`` rows: a function of the row count (and the cap,
+    which both ranks must pass alike) only."""
+    return max(1, min(rows, max_programs))
 
 
 def two_rank_add_rms_norm(x: torch.Tensor, peer: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                          eps: float, sig_in: torch.Tensor, sig_out: torch.Tensor
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+                          eps: float, sig_in: torch.Tensor, sig_out: torch.Tensor,
+                          max_programs: int = DEFAULT_PROGRAMS) -> tuple[torch.Tensor, torch.Tensor]:
     """``add_rms_norm(x + peer, residual, weight, eps)`` -> (normed, x + peer + residual), after a handshake
     with the peer rank through the int32 counters ``sig_in`` (this rank's, bumped by the peer) and ``sig_out``
     (the peer's, through its mapping), each of at least ``MAX_PROGRAMS`` elements.
 
     x, peer, residual: (M, N) with contiguous rows, one dtype; weight (N,). The peer must make the same call
-    (same M) for this one to return.
+    (same M, same max_programs: at most ``MAX_PROGRAMS`` programs, each takes rows p, p + programs, ...) for
+    this one to return.
     """
     fn = "two_rank_add_rms_norm"
     for name, t in (("x", x), ("peer", peer), ("residual", residual), ("weight", weight)):
@@ -99,6 +114,8 @@ def two_rank_add_rms_norm(x: torch.Tensor, peer: torch.Tensor, residual: torch.T
             raise ValueError(f"{fn}: {name} must be a contiguous int32 tensor of >= {MAX_PROGRAMS} counters, "
                              f"got {t.dtype} with {t.numel()}")
     check_same_device(x=x, peer=peer, residual=residual, weight=weight, sig_in=sig_in, sig_out=sig_out)
+    if isinstance(max_programs, bool) or not isinstance(max_programs, int) or not 1 <= max_programs <= MAX_PROGRAMS:
+        raise ValueError(f"{fn}: max_programs must be an int in [1, {MAX_PROGRAMS}], got {max_programs!r}")
     weight = weight.contiguous()
     y_dtype = torch.promote_types(weight.dtype, x.dtype)
     out = torch.empty(x.shape, dtype=y_dtype, device=x.device)
@@ -106,7 +123,7 @@ def two_rank_add_rms_norm(x: torch.Tensor, peer: torch.Tensor, residual: torch.T
     if M == 0:
         return out, new_residual
     BLOCK = next_pow2(N)
-    _two_rank_add_rms_norm_kernel[(num_programs(M),)](
+    _two_rank_add_rms_norm_kernel[(num_programs(M, max_programs),)](
         x, peer, residual, weight, out, new_residual, sig_in, sig_out, M, N, float(eps),
         x.stride(0), peer.stride(0), residual.stride(0), out.stride(0), new_residual.stride(0),
         BLOCK=BLOCK, num_warps=_num_warps(BLOCK),

@@ -39,7 +39,7 @@ class StubReducer(SymmMemAllReduce):
         self._next = 0
         self.peer = None
         self.reduced = []
-        self.rank, self.fuse_norm = 0, False
+        self.rank, self.fuse_norm, self.programs = 0, False, 256
         self.sig, self.peer_sig = torch.zeros(4, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
         self.handles = [FakeHandle(self), FakeHandle(self)]
 
@@ -166,7 +166,8 @@ def fake_kernel(monkeypatch):
     from nanovllm.kernels import ar_norm
     calls = []
 
-    def fake(x, peer, residual, weight, eps, sig_in, sig_out):
+    def fake(x, peer, residual, weight, eps, sig_in, sig_out, max_programs):
+        assert max_programs == 256
         calls.append((x, peer, sig_in, sig_out))
         return add_rms_norm_ref(x + peer, residual, weight, eps)
 

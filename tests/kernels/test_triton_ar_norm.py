@@ -6,7 +6,7 @@ compute ``add_rms_norm_ref(x + peer, residual)``."""
 import pytest
 import torch
 
-from nanovllm.kernels.ar_norm import MAX_PROGRAMS, num_programs, two_rank_add_rms_norm
+from nanovllm.kernels.ar_norm import DEFAULT_PROGRAMS, MAX_PROGRAMS, num_programs, two_rank_add_rms_norm
 from nanovllm.layers.layernorm import add_rms_norm_ref
 
 # bf16: the CPU interpreter truncates instead of rounding, twice here (x + peer, then + residual), so a sum
@@ -19,17 +19,18 @@ def _rand(*shape, dtype, device, seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 7, MAX_PROGRAMS + 44])  # the last: programs loop over several rows
-def test_two_rank_add_rms_norm(device, dtype, rows):
+@pytest.mark.parametrize("rows, cap", [(1, DEFAULT_PROGRAMS), (7, DEFAULT_PROGRAMS), (7, 3),
+                                       (DEFAULT_PROGRAMS + 44, DEFAULT_PROGRAMS)])  # programs looping over rows
+def test_two_rank_add_rms_norm(device, dtype, rows, cap):
     N = 48
     x, peer, res = (_rand(rows, N, dtype=dtype, device=device, seed=s) for s in (1, 2, 3))
     w = _rand(N, dtype=dtype, device=device, seed=4)
-    G = num_programs(rows)
+    G = num_programs(rows, cap)
     sig_in = torch.zeros(MAX_PROGRAMS, dtype=torch.int32, device=device)
     sig_in[:G] = 1          # the peer has signalled every program
     sig_in[0] = 2           # ... and program 0 once more (the peer ran a reduction ahead)
     sig_out = torch.zeros(MAX_PROGRAMS, dtype=torch.int32, device=device)
-    normed, new_res = two_rank_add_rms_norm(x, peer, res, w, 1e-6, sig_in, sig_out)
+    normed, new_res = two_rank_add_rms_norm(x, peer, res, w, 1e-6, sig_in, sig_out, max_programs=cap)
     want_n, want_s = add_rms_norm_ref(x + peer, res, w, 1e-6)
     torch.testing.assert_close(new_res, want_s, **TOL[dtype])
     torch.testing.assert_close(normed, want_n, **TOL[dtype])
@@ -42,8 +43,9 @@ def test_two_rank_add_rms_norm(device, dtype, rows):
 
 
 def test_num_programs_depends_on_rows_only():
-    assert [num_programs(m) for m in (0, 1, 5, MAX_PROGRAMS, 10 * MAX_PROGRAMS)] == [1, 1, 5, MAX_PROGRAMS,
-                                                                                    MAX_PROGRAMS]
+    D = DEFAULT_PROGRAMS
+    assert [num_programs(m) for m in (0, 1, 5, D, 10 * D)] == [1, 1, 5, D, D]
+    assert [num_programs(m, MAX_PROGRAMS) for m in (5, 10 * MAX_PROGRAMS)] == [5, MAX_PROGRAMS]
 
 
 def test_argument_checks(device):
@@ -58,3 +60,7 @@ def test_argument_checks(device):
         two_rank_add_rms_norm(x, x, x, w[:4], 1e-6, sig, sig)
     with pytest.raises(ValueError, match="counters"):
         two_rank_add_rms_norm(x, x, x, w, 1e-6, sig[:8], sig)
+    with pytest.raises(ValueError, match="max_programs"):
+        two_rank_add_rms_norm(x, x, x, w, 1e-6, sig, sig, max_programs=MAX_PROGRAMS + 1)
+    with pytest.raises(ValueError, match="max_programs"):
+        two_rank_add_rms_norm(x, x, x, w, 1e-6, sig, sig, max_programs=0)
