@@ -37,7 +37,8 @@ def model_bytes(m, itemsize: int) -> int:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="checkpoint dir, or a dir with only config.json (--load-format dummy)")
+    ap.add_argument("--model", required=True,
+                    help="checkpoint dir, or a dir with only config.json (--load-format dummy)")
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--max-input-len", type=int, default=1024)
     ap.add_argument("--max-output-len", type=int, default=1024)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -88,14 +89,15 @@ def _ar_worker(rank, world, port, q):
     lines.append(f"SymmMemAllReduce: {'none' if reducer is None else f'fuse_norm={reducer.fuse_norm}'}")
     for M in (1, 16, 64, 128, 256, 512, 2048, 8192):
         x = torch.randn(M, HID, device="cuda", dtype=torch.bfloat16)
-        res = {"nccl": bench(lambda x=x.clone(): dist.all_reduce(x), iters=72)}  # (the copy overflows; x stays)
+        y = x.clone()  # (the repeated sums overflow it; x stays)
+        res = {"nccl": bench(lambda y=y: dist.all_reduce(y), iters=72)}
         if symm is not None:
             v = symm[:M]
             v.copy_(x)
             out = torch.empty_like(x)
             ops = torch.ops.symm_mem
-            for name, fn in (("one_shot", lambda v=v, out=out: ops.one_shot_all_reduce_out(v, "sum", group_name, out)),
-                             ("two_shot", lambda v=v: ops.two_shot_all_reduce_(v, "sum", group_name))):
+            for name, fn in (("one_shot", partial(ops.one_shot_all_reduce_out, v, "sum", group_name, out)),
+                             ("two_shot", partial(ops.two_shot_all_reduce_, v, "sum", group_name))):
                 try:
                     res[name] = bench(fn, iters=72)
                 except Exception as e:  # noqa: BLE001

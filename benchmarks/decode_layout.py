@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -67,7 +68,7 @@ def main():
                 os.environ["NANOVLLM_DECODE_ATTN"] = ",".join(map(str, (*cfg, heads_first)))
                 gbs, errs = [], []
                 for q, k, v, sl, bt, ref, nbytes in cases:
-                    fn = lambda: paged_decode_attention(q, k, v, sl, bt, q.shape[-1] ** -0.5)  # noqa: E731
+                    fn = partial(paged_decode_attention, q, k, v, sl, bt, q.shape[-1] ** -0.5)
                     errs.append(((fn().float() - ref).norm() / ref.norm()).item())
                     ms = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
                     gbs.append(nbytes / ms / 1e6)
@@ -84,7 +85,7 @@ def main():
             cu = torch.tensor([0] + list(__import__("itertools").accumulate(lens)), dtype=torch.int32, device=dev)
             sl = torch.tensor(lens, dtype=torch.int32, device=dev)
             bt = torch.tensor(tables, dtype=torch.int32, device=dev)
-            fn = lambda: paged_prefill_attention(q, k, v, cu, sl, bt, 128 ** -0.5, max(lens))  # noqa: E731
+            fn = partial(paged_prefill_attention, q, k, v, cu, sl, bt, 128 ** -0.5, max(lens))
             ref = paged_attention_ref(q.float(), k.float(), v.float(), cu, sl, bt, 128 ** -0.5, max(lens))
             err = ((fn().float() - ref).norm() / ref.norm()).item()
             ms = triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median")

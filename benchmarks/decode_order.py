@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -35,8 +36,7 @@ def main():
                 os.environ["NANOVLLM_DECODE_ATTN"] = ",".join(map(str, (*cfg, 1)))
                 for splits in sorted({auto, 2}):
                     for name, o in (("batch", None), ("long1st", order)):
-                        fn = lambda s=splits, o=o: paged_decode_attention(q, k, v, sl, bt, 128 ** -0.5,  # noqa: E731
-                                                                         num_splits=s, order=o)
+                        fn = partial(paged_decode_attention, q, k, v, sl, bt, 128 ** -0.5, num_splits=splits, order=o)
                         err = ((fn().float() - ref).norm() / ref.norm()).item()
                         if err > 1e-2:
                             raise SystemExit(f"wrong result: H={H} B={B} cfg={cfg} splits={splits} {name}: {err}")

@@ -35,7 +35,7 @@ class AttentionMetadata:
 class OutputRows:
     """The rows of a step whose outputs are used (the sampled ones), for a model that computes its last layer
     for those rows only: after the last layer's K/V of every row are stored, each of these rows attends as a
-    single query over its sequence's cache (decode-style metadata)."""
+    one-token query over its sequence's cache (``meta``)."""
     rows: torch.Tensor           # (S,) row indices into the step's T rows
     meta: AttentionMetadata      # S one-token queries: cu_seqlens_q = 0..S, each row's seq_len and block table
 

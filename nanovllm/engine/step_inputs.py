@@ -40,9 +40,8 @@ class Layout:
     @classmethod
     def make(cls, T: int, B: int, W: int, S: int, NB: int = 0) -> Layout:
         sizes = {"ids": T, "src": T, "pos": T, "slots": T, "cu": B + 1, "seq_lens": B, "order": B, "tables": B * W,
-                 "last": S, "sample_seqs": S, "steps": S, "top_ks": S, "banned_rows": NB, "banned_tokens": NB,
-                 "seeds": S,
-                 "temps": S, "top_ps": S, "min_ps": S}
+                 "last": S, "sample_seqs": S, "steps": S, "top_ks": S, "seeds": S, "temps": S, "top_ps": S,
+                 "min_ps": S, "banned_rows": NB, "banned_tokens": NB}
         off, fields = 0, {}
         for name, dtype in _FIELDS:
             n = sizes[name]

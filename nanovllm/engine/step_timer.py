@@ -20,6 +20,8 @@ PROFILE_ENV = "NANOVLLM_PROFILE_STEPS"
 
 
 class StepTimer:
+    """``NANOVLLM_STEP_TIMING``: CUDA events around every step of this runner (see the module docstring)."""
+
     def __init__(self, prefix: str, rank: int):
         self.path = f"{prefix}.rank{rank}.json"
         self.rows: list[tuple] = []  # (start event, end event, seqs, tokens, is_decode)
@@ -74,8 +76,8 @@ class StepProfiler:
         out = []
         for spec in env.split(","):
             parts = spec.split(":")
-            if len(parts) not in (3, 4) or not parts[1].isdigit() or not parts[2].isdigit() or \
-                    (len(parts) == 4 and parts[3] not in ("decode", "prefill")):
+            if len(parts) not in (3, 4) or not parts[0] or not parts[1].isdigit() or not parts[2].isdigit() or \
+                    int(parts[2]) < 1 or (len(parts) == 4 and parts[3] not in ("decode", "prefill")):
                 raise ValueError(f"{PROFILE_ENV}: each spec must be <prefix>:<first step>:<steps>[:decode|:prefill], "
                                  f"got {spec!r}")
             out.append(cls(parts[0], int(parts[1]), int(parts[2]), parts[3] if len(parts) == 4 else None, rank))
