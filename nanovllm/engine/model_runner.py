@@ -44,6 +44,11 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device if self.device.index is not None else self.tp.rank)
             self.device = torch.device("cuda", torch.cuda.current_device())
+            blas = os.environ.get("NANOVLLM_BLAS")  # for A/B runs: cublas | cublaslt (torch's process-wide choice)
+            if blas:
+                if blas not in ("cublas", "cublaslt"):
+                    raise ValueError(f"NANOVLLM_BLAS must be 'cublas' or 'cublaslt', got {blas!r}")
+                torch.backends.cuda.preferred_blas_library(blas)
             if self.tp.size > 1:
                 self.tp = replace(self.tp, reducer=self._make_reducer())
         t0 = time.perf_counter()
