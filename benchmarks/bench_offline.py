@@ -135,20 +135,14 @@ def main(argv=None) -> dict:
     print(f"{res['model']}: {n_out} tokens in {elapsed:.2f}s = {res['output_tok_s']:.0f} output tok/s | "
           f"{res['achieved_GB_s']} GB/s over {steps['n']} steps | peak {res['peak_gpu_mem_GiB']} GiB | "
           f"startup {startup:.1f}s (graphs {res['cuda_graph_capture_s']}s)")
+    llm.shutdown()  # every rank writes its step timings here
+    if timing_dir is not None:
+        del os.environ[STEP_TIMING_ENV]
+        res["gpu_idle"] = report_gpu_idle(timing_dir, steps["n"])
     print(json.dumps(res))
     if ns.json:
         with open(ns.json, "a") as f:
             f.write(json.dumps(res) + "\n")
-    llm.shutdown()
-    if timing_dir is not None:
-        del os.environ[STEP_TIMING_ENV]
-        res["gpu_idle"] = report_gpu_idle(timing_dir, steps["n"])
-        if ns.json:  # rewrite the line with the idle summary
-            with open(ns.json) as f:
-                lines = f.readlines()
-            lines[-1] = json.dumps(res) + "\n"
-            with open(ns.json, "w") as f:
-                f.writelines(lines)
     return res
 
 

@@ -2,7 +2,7 @@
 # The whole GPU check-and-bench in one device call:  bash benchmarks/gpu_check.sh [steps...]
 # steps: env kernels kernel_tests kernel_tests_attn_ar parity parity_trained parity32 bench06 bench06sync profile06 profile8 bench8 bench8tp2 online06
 #        gemm gemmlt allreduce tp_parity bench8tp2nccl bench8tp2twoshot sweep bench06best layout
-#        bench8tp2notrim bench8notrim profile8tp2 order bench8tp2noorder bench8noorder bench8tp2ar1024 bench8lt bench8chunk16k
+#        bench8tp2notrim bench8notrim profile8tp2 order bench8tp2noorder bench8noorder bench8lt bench8chunk16k
 # (default: env kernels parity bench06 profile06 bench8). online06 needs fastapi/uvicorn: carry .whl and
 # start the command with the wheel install from the device README.
 # Logs go to $OUT (or ./gpu_out); each step has its own time limit and a failure doesn't stop the rest.
@@ -40,7 +40,6 @@ for s in $steps; do
     profile06) TAIL=60 run profile06 240 python3 benchmarks/profile_step.py --model benchmarks/models/qwen3-0.6b --load-format dummy ;;
     bench8) TAIL=40 run bench8 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-}" --step-log "$OUT/steps8.json" --gpu-idle ;;
     bench8tp2) TAIL=40 run bench8tp2 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --tensor-parallel-size 2 --json "$OUT/bench.jsonl" --label "${LABEL:-} tp2" --step-log "$OUT/steps8tp2.json" --gpu-idle ;;
-    bench8tp2ar1024) TAIL=40 NANOVLLM_AR_PROGRAMS=1024 run bench8tp2ar1024 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --tensor-parallel-size 2 --json "$OUT/bench.jsonl" --label "${LABEL:-} tp2 ar1024" --step-log "$OUT/steps8tp2ar1024.json" ;;
     bench8tp2notrim) TAIL=40 NANOVLLM_TRIM_LAST_LAYER=0 run bench8tp2notrim 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --tensor-parallel-size 2 --json "$OUT/bench.jsonl" --label "${LABEL:-} tp2 no trim" --step-log "$OUT/steps8tp2notrim.json" ;;
     bench8lt) TAIL=40 NANOVLLM_BLAS=cublaslt run bench8lt 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-} cublaslt" --step-log "$OUT/steps8lt.json" ;;
     bench8chunk16k) TAIL=40 run bench8chunk16k 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --max-num-batched-tokens 16384 --json "$OUT/bench.jsonl" --label "${LABEL:-} 16384-token chunks" --step-log "$OUT/steps8chunk16k.json" ;;

@@ -74,3 +74,13 @@ def test_sampled_rows_out_of_order(tiny_ckpt):
     assert results[True].top_ids == results[False].top_ids
     torch.testing.assert_close(torch.tensor(results[True].top_logprobs), torch.tensor(results[False].top_logprobs),
                                rtol=0, atol=1e-5)
+
+
+def test_switch_from_environment(tiny_ckpt, monkeypatch):
+    monkeypatch.setenv("NANOVLLM_TRIM_LAST_LAYER", "0")
+    llm = LLM(tiny_ckpt("qwen3"), device="cpu", dtype="float32", kvcache_block_size=16)
+    assert llm.engine.runner.trim_last_layer is False and llm.engine.runner.decode_order is True
+    llm.shutdown()
+    monkeypatch.setenv("NANOVLLM_TRIM_LAST_LAYER", "off")
+    with pytest.raises(ValueError, match="NANOVLLM_TRIM_LAST_LAYER must be 0 or 1, got 'off'"):
+        LLM(tiny_ckpt("qwen3"), device="cpu", dtype="float32", kvcache_block_size=16)

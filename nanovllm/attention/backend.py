@@ -3,8 +3,8 @@
 A backend receives one step's flat batch (see `torch_ref` for the layout) and must:
   * write this step's K/V into the paged cache at `slot_mapping` (slot -1: skip): `store`, then
   * return causal attention of the queries over each sequence's cached tokens: `attend`.
-`forward` does both; callers that already stored K/V (the fused QK-norm + RoPE + KV-store kernel) call
-`attend` alone, and a model that needs the output of only some rows stores all and attends for those.
+Callers that store K/V themselves (the fused QK-norm + RoPE + KV-store kernel) call `attend` alone, and a
+model that needs the output of only some rows stores all of them and attends for those.
 Everything in `AttentionMetadata` is a device tensor except `max_seqlen_q` and `is_decode`, which are
 host values fixed per captured CUDA graph, so a backend can run inside a graph with padded slots.
 """
@@ -44,30 +44,17 @@ class AttentionBackend(ABC):
     """Computes attention over the paged KV cache."""
     name: str = ""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Store k, v (T, Hkv, D) in the cache, then attend.
-
-        Args:
-            q: (T, H, D) queries; k, v: (T, Hkv, D) this step's keys and values.
-            k_cache, v_cache: (num_blocks, block_size, Hkv, D) this layer's cache.
-            meta: the step's AttentionMetadata.
-            scale: softmax scale.
-        Returns:
-            (T, H, D) attention output.
-        """
-        self.store(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self.attend(q, k_cache, v_cache, meta, scale)
-
     @abstractmethod
     def store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               slot_mapping: torch.Tensor) -> None:
-        """Write k, v (T, Hkv, D) into the cache at slot_mapping (T,); slot -1 is skipped."""
+        """Write k, v (T, Hkv, D) into k_cache, v_cache (num_blocks, block_size, Hkv, D) at slot_mapping (T,);
+        slot -1 is skipped."""
 
     @abstractmethod
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float) -> torch.Tensor:
-        """Attention only: this step's K/V are already in the cache. Same arguments / result as `forward`."""
+        """Causal attention of q (T, H, D) over each sequence's cached tokens (this step's K/V already stored),
+        with meta describing the queries and scale the softmax scale. Returns (T, H, D)."""
 
 
 class TorchAttentionBackend(AttentionBackend):

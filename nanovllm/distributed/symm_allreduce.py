@@ -62,11 +62,7 @@ class SymmMemAllReduce:
         self.fuse_norm = fuse_norm and world_size == 2
         if self.fuse_norm:  # the kernel's handshake counters (nanovllm.kernels.ar_norm)
             from nanovllm.kernels.ar_norm import DEFAULT_PROGRAMS, MAX_PROGRAMS
-            # programs per fused launch (NANOVLLM_AR_PROGRAMS, for tuning; every rank reads the same environment)
-            env = os.environ.get("NANOVLLM_AR_PROGRAMS", "")
-            if env and not (env.isdigit() and 1 <= int(env) <= MAX_PROGRAMS):
-                raise ValueError(f"NANOVLLM_AR_PROGRAMS must be an int in [1, {MAX_PROGRAMS}], got {env!r}")
-            self.programs = int(env) if env else DEFAULT_PROGRAMS
+            self.programs = DEFAULT_PROGRAMS  # programs per fused launch (512 / 1,024 measured no faster)
             self.sig = symm_mem.empty(MAX_PROGRAMS, dtype=torch.int32, device=device)
             sig_handle = symm_mem.rendezvous(self.sig, self.group_name)
             self.sig.zero_()

@@ -25,6 +25,14 @@ logger = logging.getLogger(__name__)
 CPU_KV_CACHE_BYTES = 2 << 30  # default KV budget on CPU when num_kvcache_blocks is not given
 
 
+def _env_switch(name: str) -> bool:
+    """An on-by-default switch for A/B runs: unset or "1" is on, "0" off, anything else an error."""
+    value = os.environ.get(name, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 @dataclass
 class StepResult:
     """What one step produced, on the host, row by row over the batch's sample_rows."""
@@ -62,9 +70,9 @@ class ModelRunner:
             self._install_fused_ops()
         self.staging = Staging(self.device)
         # prefill steps run the last layer for the sampled rows only (NANOVLLM_TRIM_LAST_LAYER=0: every row)
-        self.trim_last_layer = os.environ.get("NANOVLLM_TRIM_LAST_LAYER", "1") != "0"
+        self.trim_last_layer = _env_switch("NANOVLLM_TRIM_LAST_LAYER")
         # decode attention launches the longest sequences first (NANOVLLM_DECODE_ORDER=0: batch order)
-        self.decode_order = os.environ.get("NANOVLLM_DECODE_ORDER", "1") != "0"
+        self.decode_order = _env_switch("NANOVLLM_DECODE_ORDER")
         self.timer = StepTimer.from_env(self.device, self.tp.rank)
         self.profilers = StepProfiler.from_env(self.device, self.tp.rank)
         # the latest step's sampled ids, read on the device by the next step's placeholder inputs

@@ -16,16 +16,8 @@ class Attention(nn.Module):
         self.v_cache = torch.empty(0)
         self.backend: AttentionBackend | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        T = q.shape[0]
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)  # (T, H, D)
-        return o.reshape(T, self.num_heads * self.head_dim)
-
     def store(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-        """Write this step's keys and values (T, Hkv * D) into the cache (the first half of ``forward``)."""
+        """Write this step's keys and values ((T, Hkv, D) or (T, Hkv * D)) into the cache."""
         T = k.shape[0]
         self.backend.store(k.view(T, self.num_kv_heads, self.head_dim), v.view(T, self.num_kv_heads, self.head_dim),
                            self.k_cache, self.v_cache, meta.slot_mapping)
