@@ -67,7 +67,7 @@ def _linear_kernel(
     X, W, Y, WS, CNT, M, N, K_SLICE,
     stride_xm, stride_wn, stride_ym,
     SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -95,9 +95,9 @@ def _linear_kernel(
             x = x.to(tl.float32)
             w = w.to(tl.float32)
         if SWAP:
-            acc = tl.dot(w, tl.trans(x), acc)
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
         else:
-            acc = tl.dot(x, tl.trans(w), acc)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
@@ -109,10 +109,10 @@ def _linear_kernel(
         out_offs = offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
         out_mask = mask_m[:, None] & mask_n[None, :]
         ws_offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-    if splits == 1:
+    if not SPLIT:
         tl.store(Y + out_offs, acc.to(Y.dtype.element_ty), mask=out_mask)
     else:
-        slab = M.to(tl.int64) * N
+        slab = (tl.zeros([], dtype=tl.int64) + M) * N  # elements per slice's partial (M may be a constexpr 1)
         tl.store(WS + split * slab + ws_offs, acc, mask=out_mask)
         tl.debug_barrier()  # every thread's partial is written before the counter says so
         arrived = tl.atomic_add(CNT + tile, 1, sem="acq_rel", scope="gpu")
@@ -180,7 +180,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, config: MatmulConfig, out: torch.Te
         x, w, out, workspace, counters, M, N, K // config.splits,
         x.stride(0), w.stride(0), out.stride(0),
         SWAP=config.swap, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        UPCAST=x.dtype == torch.bfloat16 and _interpreting(),
+        UPCAST=x.dtype == torch.bfloat16 and _interpreting(), SPLIT=config.splits > 1,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # float32 inputs: exact products, not TF32
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
