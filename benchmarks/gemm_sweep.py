@@ -102,13 +102,18 @@ def graph_time(fn, n_copies: int) -> float:
 
 
 def warm_compile(base: list[MatmulConfig]) -> None:
-    """Compile every tiling once (threads overlap the ptxas subprocesses)."""
+    """Compile every tiling once, without and with splits (threads overlap the ptxas subprocesses)."""
     x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
+
+    ws = torch.empty(2 * 64 * 256, device="cuda", dtype=torch.float32)
+    cnt = torch.zeros(64, device="cuda", dtype=torch.int32)
 
     def one(c):
         try:
             linear(x, w, c)
+            linear(x, w, MatmulConfig(c.block_m, c.block_n, c.block_k, splits=2, swap=c.swap,
+                                      num_warps=c.num_warps, num_stages=c.num_stages), workspace=ws, counters=cnt)
             return None
         except Exception as e:  # out of shared memory / registers: dropped from the sweep
             return c, e
