@@ -45,7 +45,7 @@ _PG_TIMEOUT = timedelta(seconds=float(os.environ.get("NANOVLLM_TP_PG_TIMEOUT", "
 
 
 # ModelRunner start-up timings passed back to the driver (max over ranks becomes TPExecutor.<name>)
-_TIMINGS = ("load_seconds", "capture_seconds")
+_TIMINGS = ("load_seconds", "capture_seconds", "gemm_plan_seconds")
 
 
 @dataclass(frozen=True)

@@ -80,8 +80,19 @@ class ModelRunner:
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_sizes: list[int] = []
-        self.capture_seconds = 0.0
+        self.capture_seconds = self.gemm_plan_seconds = 0.0
+        self.gemm_plan: dict = {}
         if self.device.type == "cuda" and not config.args.enforce_eager:
+            max_bs = min(config.max_num_seqs, 512)
+            self.graph_sizes = sorted({b for b in (1, 2, 4, 8, *range(16, max_bs + 1, 16)) if b <= max_bs} | {max_bs})
+            # per (layer shape, graph batch size): the fastest GEMM (NANOVLLM_GEMM_PLAN=0: torch's default)
+            if _env_switch("NANOVLLM_GEMM_PLAN"):
+                from nanovllm.engine.gemm_plan import describe, plan_gemms
+                t0 = time.perf_counter()
+                self.gemm_plan = plan_gemms(self.model, self.graph_sizes,
+                                            use_triton=config.attention_backend == "triton")
+                self.gemm_plan_seconds = time.perf_counter() - t0
+                logger.info("GEMM plan (%.1fs): %s", self.gemm_plan_seconds, describe(self.gemm_plan))
             t0 = time.perf_counter()
             self._capture_cudagraphs()
             self.capture_seconds = time.perf_counter() - t0
@@ -224,8 +235,7 @@ class ModelRunner:
         A batch of n sequences replays the smallest graph of size >= n; the padded rows have slot -1 and
         sequence length 0, which every attention backend treats as "skip"."""
         cfg = self.config
-        max_bs = min(cfg.max_num_seqs, 512)
-        self.graph_sizes = sorted({b for b in (1, 2, 4, 8, *range(16, max_bs + 1, 16)) if b <= max_bs} | {max_bs})
+        max_bs = self.graph_sizes[-1]
         self.graph_width = -(-cfg.max_model_len // self.block_size)
         self.graph_layouts = {bs: Layout.make(bs, bs, self.graph_width, bs) for bs in self.graph_sizes}
         self.g_stage = torch.zeros(self.graph_layouts[max_bs].nbytes, dtype=torch.uint8, device=self.device)

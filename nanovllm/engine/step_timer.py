@@ -58,7 +58,8 @@ class StepTimer:
 class StepProfiler:
     """``NANOVLLM_PROFILE_STEPS=<prefix>:<first>:<count>[:decode|:prefill][,...]``: torch.profiler over steps
     first .. first + count - 1 of this runner (counting only decode, or only prefill/mixed, steps when the
-    kind is given), then ``<prefix>.rank<r>.txt`` gets the kernel table (by device time). Under tensor
+    kind is given), then ``<prefix>.rank<r>.txt`` gets the kernel table (by device time) and
+    ``<prefix>.rank<r>.trace.json`` the timeline (Chrome trace format). Under tensor
     parallelism every rank profiles its own steps: the table shows one rank's GPU, collectives included."""
 
     def __init__(self, prefix: str, first: int, count: int, kind: str | None, rank: int):
@@ -102,4 +103,6 @@ class StepProfiler:
             with open(self.path, "w") as f:
                 f.write(f"{self.count} {self.kind or 'any'} steps from step {self.first} of that kind\n")
                 f.write(self.prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40))
+            # the timeline too (kernel start/duration), for gaps between kernels: benchmarks/kernel_gaps.py
+            self.prof.export_chrome_trace(self.path[:-len(".txt")] + ".trace.json")
             self.prof = None

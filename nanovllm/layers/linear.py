@@ -30,12 +30,26 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        # rows -> GEMM backend (a callable (x, w, out) -> x @ w.T) for the products whose row count it names;
+        # set at startup by nanovllm.engine.gemm_plan for the CUDA-graph batch sizes, empty otherwise
+        self.gemm_plan: dict = {}
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         _copy(param.data, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._product(x, self.bias)
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T (+ bias), into ``out`` when given: by the planned backend for this row count, else torch."""
+        gemm = self.gemm_plan.get(x.shape[0]) if self.gemm_plan and x.dim() == 2 and bias is None else None
+        if gemm is not None:
+            return gemm(x, self.weight, out)
+        if out is None:
+            return F.linear(x, self.weight, bias)
+        if bias is None:
+            return torch.mm(x, self.weight.t(), out=out)
+        return torch.addmm(bias, x, self.weight.t(), out=out)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -125,11 +139,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """The summed output; with reduce=False this rank's partial sum, for ``TPGroup.all_reduce_add_norm``."""
         bias = self.bias if self.tp.rank == 0 else None
-        y = self.tp.reduce_buffer((x.shape[0], self.weight.shape[0]), x.dtype) if x.dim() == 2 else None
-        if y is None:
-            y = F.linear(x, self.weight, bias)
-        elif bias is None:  # the partial product goes straight into the reducer's buffer (no copy to reduce it)
-            torch.mm(x, self.weight.t(), out=y)
-        else:
-            torch.addmm(bias, x, self.weight.t(), out=y)
+        # the partial product goes straight into the reducer's buffer when there is one (no copy to reduce it)
+        buf = self.tp.reduce_buffer((x.shape[0], self.weight.shape[0]), x.dtype) if x.dim() == 2 else None
+        y = self._product(x, bias, buf)
         return self.tp.all_reduce(y) if reduce else y

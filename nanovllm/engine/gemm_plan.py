@@ -1,0 +1,151 @@
+"""Which GEMM each linear layer uses at each CUDA-graph batch size, chosen by timing them once at startup.
+
+At decode batch sizes no single GEMM library wins everywhere: on an H200, cuBLAS and cuBLASLt trade places by
+10-30% from one (layer, rows) pair to the next, and at <= 32 rows the swapped-tile Triton kernel
+(``nanovllm.kernels.matmul``) streams the weight faster than either (``benchmarks/gemm_sweep.py``). So before
+the decode graphs are captured, the runner times each candidate on the real weights: for every distinct
+(out, in) weight shape, one CUDA graph runs the product with *every* layer of that shape in turn (so the
+weights stream from HBM as in a real step, not from L2), for each graph batch size. A candidate replaces
+torch's default (``F.linear``) only when it is at least ``margin`` faster, so near-ties keep the default and
+the choice (hence the output bits) is stable from run to run.
+
+The choice is stored on each layer (``LinearBase.gemm_plan``: rows -> backend) and used for exactly those row
+counts; every other product (prefill, eager steps) stays ``F.linear``.
+"""
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from nanovllm.layers.linear import LinearBase
+
+logger = logging.getLogger(__name__)
+
+BLAS_LIBRARIES = ("cublas", "cublaslt")
+TRITON_MAX_ROWS = 32  # the swapped-tile kernel beat cuBLAS only up to here in the sweep
+
+
+@dataclass(frozen=True)
+class GemmBackend:
+    """``y = x @ w.T`` by one library: "cublas" or "cublaslt" (torch.mm under that BLAS preference), or
+    "triton" (``nanovllm.kernels.matmul.linear`` with ``config``)."""
+    name: str
+    config: object | None = None  # a MatmulConfig for "triton"
+
+    def __post_init__(self):
+        if self.name not in (*BLAS_LIBRARIES, "triton"):
+            raise ValueError(f"unknown GEMM backend {self.name!r}; expected one of {(*BLAS_LIBRARIES, 'triton')}")
+        if (self.name == "triton") != (self.config is not None):
+            raise ValueError(f"GEMM backend {self.name!r}: a config goes with 'triton' and only with it")
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if self.name == "triton":
+            from nanovllm.kernels.matmul import linear
+            return linear(x, w, self.config, out)
+        prev = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library(self.name)
+        try:
+            return torch.mm(x, w.t(), out=out)
+        finally:
+            torch.backends.cuda.preferred_blas_library(prev)
+
+    def __str__(self) -> str:
+        if self.config is None:
+            return self.name
+        c = self.config
+        return f"triton:{'swap' if c.swap else 'plain'}{c.block_m}x{c.block_n}x{c.block_k}s{c.splits}st{c.num_stages}"
+
+
+def triton_candidates(rows: int, K: int) -> list[GemmBackend]:
+    """Swapped-tile configs for few rows (the sweep's winners at <= 32 rows: 64 outputs x 128 or 256 of K per
+    tile, 5 stages, the rows in one or two 16-row tiles)."""
+    if rows > TRITON_MAX_ROWS:
+        return []
+    from nanovllm.kernels.matmul import MatmulConfig
+    p2 = max(16, 1 << (rows - 1).bit_length())
+    out = []
+    for bm in sorted({16, p2}):
+        for bk in (128, 256):
+            cfg = MatmulConfig(bm, 64, bk, swap=True, num_warps=4, num_stages=5)
+            if cfg.fits(K):
+                out.append(GemmBackend("triton", cfg))
+    return out
+
+
+def _graph_time(fn, reps: int = 3) -> float:
+    """Seconds for one run of fn, from a CUDA graph of it replayed ``reps`` times (after a warm-up)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
+def _run_all(backend, x, weights, out):
+    def fn():
+        for w in weights:
+            if backend is None:  # what F.linear runs without a bias, under torch's BLAS preference
+                torch.mm(x, w.t(), out=out)
+            else:
+                backend(x, w, out)
+    return fn
+
+
+def plan_gemms(model: torch.nn.Module, sizes: list[int], *, use_triton: bool, margin: float = 0.05
+               ) -> dict[tuple[int, int], dict[int, GemmBackend]]:
+    """Time the candidates and set ``gemm_plan`` on every bias-free linear layer of ``model`` (CUDA).
+
+    Returns {(N, K): {rows: chosen backend}} for the rows where something beat the default by ``margin``."""
+    if not 0.0 <= margin < 1.0:
+        raise ValueError(f"margin must be in [0, 1), got {margin!r}")
+    groups: dict[tuple[int, int], list[LinearBase]] = defaultdict(list)
+    for m in model.modules():
+        if isinstance(m, LinearBase) and m.bias is None and m.weight.is_cuda and m.weight.dim() == 2:
+            groups[tuple(m.weight.shape)].append(m)
+    plan: dict[tuple[int, int], dict[int, GemmBackend]] = {}
+    for (N, K), layers in groups.items():
+        weights = [m.weight for m in layers]
+        w0 = weights[0]
+        chosen: dict[int, GemmBackend] = {}
+        for rows in sizes:
+            x = torch.randn(rows, K, device=w0.device, dtype=w0.dtype)
+            out = torch.empty(rows, N, device=w0.device, dtype=w0.dtype)
+            base = _graph_time(_run_all(None, x, weights, out))
+            best, best_t = None, base * (1.0 - margin)
+            cands = [GemmBackend(lib) for lib in BLAS_LIBRARIES]
+            if use_triton:
+                cands += triton_candidates(rows, K)
+            for cand in cands:
+                try:
+                    t = _graph_time(_run_all(cand, x, weights, out))
+                except Exception as e:  # a config this GPU can't run (shared memory, ...): not a candidate
+                    logger.debug("GEMM candidate %s failed for (%d, %d) x %d rows: %s", cand, N, K, rows, e)
+                    continue
+                if t < best_t:
+                    best, best_t = cand, t
+            if best is not None:
+                chosen[rows] = best
+                logger.debug("GEMM (%d, %d) x %d rows: %s %.1f us vs default %.1f us", N, K, rows, best,
+                             best_t * 1e6 / len(weights), base * 1e6 / len(weights))
+        for m in layers:
+            m.gemm_plan = dict(chosen)
+        if chosen:
+            plan[(N, K)] = chosen
+    return plan
+
+
+def describe(plan: dict[tuple[int, int], dict[int, GemmBackend]]) -> str:
+    """One line per weight shape: 'N x K: rows=backend, ...'."""
+    return "; ".join(f"{N}x{K}: " + ", ".join(f"{r}={b}" for r, b in sorted(c.items()))
+                     for (N, K), c in plan.items()) or "default everywhere"
