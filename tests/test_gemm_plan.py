@@ -91,6 +91,5 @@ def test_triton_candidates():
     c = triton_candidates(8, 4096)
     assert {(b.config.block_m, b.config.block_k) for b in c} == {(16, 128), (16, 256)}
     assert all(b.config.swap and b.config.fits(4096) for b in c)
-    c = triton_candidates(32, 4096)
-    assert {b.config.block_m for b in c} == {16, 32}
+    assert triton_candidates(32, 4096) == c             # one compile per config, whatever the rows
     assert {b.config.block_k for b in triton_candidates(8, 384)} == {128}  # 256 does not divide K=384

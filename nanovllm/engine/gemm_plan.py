@@ -60,19 +60,36 @@ class GemmBackend:
 
 
 def triton_candidates(rows: int, K: int) -> list[GemmBackend]:
-    """Swapped-tile configs for few rows (the sweep's winners at <= 32 rows: 64 outputs x 128 or 256 of K per
-    tile, 5 stages, the rows in one or two 16-row tiles)."""
+    """Swapped-tile configs for few rows: the sweep's (and the engine's) winners at <= 32 rows, 16-row x 64-output
+    tiles over 128 or 256 of K, 5 stages. Two configs only: each is one Triton compile at startup."""
     if rows > TRITON_MAX_ROWS:
         return []
     from nanovllm.kernels.matmul import MatmulConfig
-    p2 = max(16, 1 << (rows - 1).bit_length())
     out = []
-    for bm in sorted({16, p2}):
-        for bk in (128, 256):
-            cfg = MatmulConfig(bm, 64, bk, swap=True, num_warps=4, num_stages=5)
-            if cfg.fits(K):
-                out.append(GemmBackend("triton", cfg))
+    for bk in (128, 256):
+        cfg = MatmulConfig(16, 64, bk, swap=True, num_warps=4, num_stages=5)
+        if cfg.fits(K):
+            out.append(GemmBackend("triton", cfg))
     return out
+
+
+def _precompile(backends: set[GemmBackend], dtype: torch.dtype, device: torch.device) -> set[GemmBackend]:
+    """Compile the Triton candidates side by side (threads overlap the compiler subprocesses); returns the ones
+    that fail to build here (not candidates then)."""
+    from concurrent.futures import ThreadPoolExecutor
+    x = torch.zeros(16, 256 * 4, dtype=dtype, device=device)
+    w = torch.zeros(64, 256 * 4, dtype=dtype, device=device)
+
+    def build(b):
+        try:
+            b(x, w)
+            return None
+        except Exception as e:
+            logger.debug("GEMM candidate %s does not build: %s", b, e)
+            return b
+
+    with ThreadPoolExecutor(max(1, len(backends))) as pool:
+        return {b for b in pool.map(build, backends) if b is not None}
 
 
 def _graph_time(fn, reps: int = 3) -> float:
@@ -114,6 +131,11 @@ def plan_gemms(model: torch.nn.Module, sizes: list[int], *, use_triton: bool, ma
         if isinstance(m, LinearBase) and m.bias is None and m.weight.is_cuda and m.weight.dim() == 2:
             groups[tuple(m.weight.shape)].append(m)
     plan: dict[tuple[int, int], dict[int, GemmBackend]] = {}
+    broken: set[GemmBackend] = set()
+    if use_triton and groups:
+        w0 = next(iter(groups.values()))[0].weight
+        broken = _precompile({b for rows in sizes for (_, K) in groups for b in triton_candidates(rows, K)},
+                             w0.dtype, w0.device)
     for (N, K), layers in groups.items():
         weights = [m.weight for m in layers]
         w0 = weights[0]
@@ -125,7 +147,7 @@ def plan_gemms(model: torch.nn.Module, sizes: list[int], *, use_triton: bool, ma
             best, best_t = None, base * (1.0 - margin)
             cands = [GemmBackend(lib) for lib in BLAS_LIBRARIES]
             if use_triton:
-                cands += triton_candidates(rows, K)
+                cands += [b for b in triton_candidates(rows, K) if b not in broken]
             for cand in cands:
                 try:
                     t = _graph_time(_run_all(cand, x, weights, out))
