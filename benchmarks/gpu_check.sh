@@ -4,6 +4,7 @@
 #        gemm gemmlt allreduce tp_parity bench8tp2nccl bench8tp2twoshot sweep bench06best layout
 #        bench8tp2notrim bench8notrim profile8tp2 order bench8tp2noorder bench8noorder bench8lt bench8chunk16k
 #        gemmsweep parity_trained_lt kernel_tests_mm bench8noplan profile8gaps bench8tp2noplan bench06chunk16k bench8tp2chunk16k bench06fresh
+#        bench06noplan bench06noplanfresh
 # (default: env kernels parity bench06 profile06 bench8). online06 needs fastapi/uvicorn: carry .whl and
 # start the command with the wheel install from the device README.
 # Logs go to $OUT (or ./gpu_out); each step has its own time limit and a failure doesn't stop the rest.
@@ -36,7 +37,9 @@ for s in $steps; do
     bench8tp2noplan) TAIL=40 NANOVLLM_GEMM_PLAN=0 run bench8tp2noplan 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --tensor-parallel-size 2 --json "$OUT/bench.jsonl" --label "${LABEL:-} tp2 no GEMM plan" --step-log "$OUT/steps8tp2noplan.json" ;;
     bench8tp2chunk16k) TAIL=40 run bench8tp2chunk16k 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --tensor-parallel-size 2 --max-num-batched-tokens 16384 --json "$OUT/bench.jsonl" --label "${LABEL:-} tp2 16384-token chunks" --step-log "$OUT/steps8tp2chunk16k.json" ;;
     bench06chunk16k) TAIL=40 run bench06chunk16k 300 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-0.6b --load-format dummy --max-num-batched-tokens 16384 --json "$OUT/bench.jsonl" --label "${LABEL:-} 16384-token chunks" --step-log "$OUT/steps06chunk16k.json" ;;
-    bench06fresh) TAIL=40 TRITON_CACHE_DIR=$(mktemp -d) run bench06fresh 300 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-0.6b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-} empty Triton cache" ;;
+    bench06fresh) TAIL=40 TRITON_CACHE_DIR=$(mktemp -d) run bench06fresh 300 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-0.6b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-} empty Triton cache" --step-log "$OUT/steps06fresh.json" ;;
+    bench06noplanfresh) TAIL=40 NANOVLLM_GEMM_PLAN=0 TRITON_CACHE_DIR=$(mktemp -d) run bench06noplanfresh 300 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-0.6b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-} no GEMM plan, empty Triton cache" --step-log "$OUT/steps06noplanfresh.json" ;;
+    bench06noplan) TAIL=40 NANOVLLM_GEMM_PLAN=0 run bench06noplan 300 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-0.6b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-} no GEMM plan" --step-log "$OUT/steps06noplan.json" ;;
     gemmsweep) TAIL=200 run gemmsweep 560 python3 benchmarks/gemm_sweep.py --budget-s "${SWEEP_S:-420}" --json "$OUT/gemm_sweep.json" ;;
     parity32) run parity32 240 python3 benchmarks/parity_bf16.py --dtype float32 --num-prompts 16 ;;
     bench06) TAIL=40 run bench06 300 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-0.6b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-}" --step-log "$OUT/steps06.json" --gpu-idle ;;

@@ -130,6 +130,8 @@ def plan_gemms(model: torch.nn.Module, sizes: list[int], *, use_triton: bool, ma
     for m in model.modules():
         if isinstance(m, LinearBase) and m.bias is None and m.weight.is_cuda and m.weight.dim() == 2:
             groups[tuple(m.weight.shape)].append(m)
+    # torch's current preference ("cublas" unless changed): what the default product already runs
+    default_lib = str(torch.backends.cuda.preferred_blas_library()).rsplit(".", 1)[-1].lower()
     plan: dict[tuple[int, int], dict[int, GemmBackend]] = {}
     broken: set[GemmBackend] = set()
     if use_triton and groups:
@@ -145,7 +147,7 @@ def plan_gemms(model: torch.nn.Module, sizes: list[int], *, use_triton: bool, ma
             out = torch.empty(rows, N, device=w0.device, dtype=w0.dtype)
             base = _graph_time(_run_all(None, x, weights, out))
             best, best_t = None, base * (1.0 - margin)
-            cands = [GemmBackend(lib) for lib in BLAS_LIBRARIES]
+            cands = [GemmBackend(lib) for lib in BLAS_LIBRARIES if lib != default_lib]  # the default is timed
             if use_triton:
                 cands += [b for b in triton_candidates(rows, K) if b not in broken]
             for cand in cands:
