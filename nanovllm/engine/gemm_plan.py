@@ -2,7 +2,8 @@
 
 At decode batch sizes no single GEMM library wins everywhere: on an H200, cuBLAS and cuBLASLt trade places by
 10-30% from one (layer, rows) pair to the next, and at <= 32 rows the swapped-tile Triton kernel
-(``nanovllm.kernels.matmul``) streams the weight faster than either (``benchmarks/gemm_sweep.py``). So before
+(``nanovllm.kernels.matmul``) is up to 11% faster than either for some shapes (``benchmarks/gemm_sweep.py``,
+RESULTS run 16). So before
 the decode graphs are captured, the runner times each candidate on the real weights: for every distinct
 (out, in) weight shape, one CUDA graph runs the product with *every* layer of that shape in turn (so the
 weights stream from HBM as in a real step, not from L2), for each graph batch size. A candidate replaces
