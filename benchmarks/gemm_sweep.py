@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
+from nanovllm.engine.gemm_plan import graph_seconds
 from nanovllm.kernels.matmul import MatmulConfig, linear, workspace_numel
 
 HID, INTER, H, HKV, D, LAYERS = 4096, 12288, 32, 8, 128, 36
@@ -82,23 +83,11 @@ def _triton(x, weights, out, cfg, ws, cnt, i):
 
 
 def graph_time(fn, n_copies: int) -> float:
-    """Microseconds per call of fn(i) (i cycles over the weight copies), captured as a graph of ITERS calls."""
-    for i in range(2):
-        fn(i % n_copies)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    """Microseconds per call of fn(i) (i cycles over the weight copies), from a CUDA graph of ITERS calls."""
+    def body():
         for i in range(ITERS):
             fn(i % n_copies)
-    g.replay()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(5):
-        g.replay()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) * 1e3 / (5 * ITERS)
+    return graph_seconds(body, reps=5) * 1e6 / ITERS
 
 
 def warm_compile(base: list[MatmulConfig]) -> None:

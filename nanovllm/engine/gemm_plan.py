@@ -93,7 +93,7 @@ def _precompile(backends: set[GemmBackend], dtype: torch.dtype, device: torch.de
         return {b for b in pool.map(build, backends) if b is not None}
 
 
-def _graph_time(fn, reps: int = 3) -> float:
+def graph_seconds(fn, reps: int = 3) -> float:
     """Seconds for one run of fn, from a CUDA graph of it replayed ``reps`` times (after a warm-up)."""
     fn()
     torch.cuda.synchronize()
@@ -146,14 +146,14 @@ def plan_gemms(model: torch.nn.Module, sizes: list[int], *, use_triton: bool, ma
         for rows in sizes:
             x = torch.randn(rows, K, device=w0.device, dtype=w0.dtype)
             out = torch.empty(rows, N, device=w0.device, dtype=w0.dtype)
-            base = _graph_time(_run_all(None, x, weights, out))
+            base = graph_seconds(_run_all(None, x, weights, out))
             best, best_t = None, base * (1.0 - margin)
             cands = [GemmBackend(lib) for lib in BLAS_LIBRARIES if lib != default_lib]  # the default is timed
             if use_triton:
                 cands += [b for b in triton_candidates(rows, K) if b not in broken]
             for cand in cands:
                 try:
-                    t = _graph_time(_run_all(cand, x, weights, out))
+                    t = graph_seconds(_run_all(cand, x, weights, out))
                 except Exception as e:  # a config this GPU can't run (shared memory, ...): not a candidate
                     logger.debug("GEMM candidate %s failed for (%d, %d) x %d rows: %s", cand, N, K, rows, e)
                     continue
