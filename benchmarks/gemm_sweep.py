@@ -6,7 +6,7 @@ For each linear layer (TP=1 and the TP=2 shard) and row count M it times torch.m
 and every candidate ``MatmulConfig`` of ``nanovllm.kernels.matmul`` (each checked against torch first),
 inside CUDA graphs of 20 calls that cycle over enough weight copies to miss L2 (as in a real step, where 36
 layers' weights stream by). Prints microseconds per call and the best config per (layer, M), and writes them
-as JSON (the source of the engine's tile table).
+as JSON. The engine offers only the winners at <= 32 rows (``nanovllm.engine.gemm_plan``).
 """
 from __future__ import annotations
 
