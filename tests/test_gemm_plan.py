@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nanovllm.distributed.group import TPGroup
-from nanovllm.engine.gemm_plan import GemmBackend, describe, triton_candidates
+from nanovllm.engine.gemm_plan import GemmBackend, describe, plan_gemms, triton_candidates
 from nanovllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 
@@ -93,3 +93,54 @@ def test_triton_candidates():
     assert all(b.config.swap and b.config.fits(4096) for b in c)
     assert triton_candidates(32, 4096) == c             # one compile per config, whatever the rows
     assert {b.config.block_k for b in triton_candidates(8, 384)} == {128}  # 256 does not divide K=384
+
+
+class FakeTimes:
+    """A stand-in for the CUDA-graph timing: seconds by (backend name or None, rows), 1.0 otherwise; records
+    how many weights each timing covered."""
+
+    def __init__(self, times):
+        self.times = times
+        self.weights_per_call = []
+
+    def __call__(self, backend, x, weights, out):
+        self.weights_per_call.append(len(weights))
+        assert out.shape == (x.shape[0], weights[0].shape[0])
+        return self.times.get((None if backend is None else str(backend), x.shape[0]), 1.0)
+
+
+def _model():
+    tp = TPGroup()
+    return torch.nn.ModuleList([ColumnParallelLinear(64, 32, False, tp), ColumnParallelLinear(64, 32, False, tp),
+                                RowParallelLinear(32, 16, False, tp), ColumnParallelLinear(64, 32, True, tp)])
+
+
+def test_plan_takes_a_candidate_only_beyond_the_margin():
+    model = _model()
+    fake = FakeTimes({("cublaslt", 4): 0.90,    # 10% faster: taken
+                      ("cublaslt", 8): 0.97,    # 3% faster: a near-tie, the default stays
+                      (None, 1): 2.0, ("cublaslt", 1): 1.5})  # slower default at 1 row: taken
+    plan = plan_gemms(model, [1, 4, 8], use_triton=False, time_fn=fake)
+    lt = GemmBackend("cublaslt")
+    assert plan == {(32, 64): {1: lt, 4: lt}, (16, 32): {1: lt, 4: lt}}
+    assert model[0].gemm_plan == model[1].gemm_plan == {1: lt, 4: lt}   # every layer of the shape
+    assert model[2].gemm_plan == {1: lt, 4: lt}
+    assert model[3].gemm_plan == {}                                     # has a bias: never planned
+    # the (32, 64) shape is timed over both of its layers' weights; cuBLAS (the default) is not timed twice
+    assert sorted(set(fake.weights_per_call)) == [1, 2] and len(fake.weights_per_call) == 2 * 3 * 2
+
+
+def test_plan_skips_triton_configs_that_do_not_build(monkeypatch):
+    from nanovllm.engine import gemm_plan as gp
+    assert triton_candidates(4, 64) == []          # K=64: no Triton tile fits
+    model = torch.nn.ModuleList([ColumnParallelLinear(512, 32, False, TPGroup())])
+    good, bad = triton_candidates(4, 512)
+    monkeypatch.setattr(gp, "_precompile", lambda backends, dtype, device: {bad})
+    fake = FakeTimes({(str(bad), 4): 0.1, (str(good), 4): 0.5, ("cublaslt", 4): 0.8})
+    plan = plan_gemms(model, [4], use_triton=True, time_fn=fake)
+    assert plan == {(32, 512): {4: good}}          # the fastest that builds
+
+
+def test_plan_rejects_a_bad_margin():
+    with pytest.raises(ValueError, match="margin must be in"):
+        plan_gemms(_model(), [4], use_triton=False, margin=1.5, time_fn=FakeTimes({}))

@@ -120,16 +120,23 @@ def _run_all(backend, x, weights, out):
     return fn
 
 
-def plan_gemms(model: torch.nn.Module, sizes: list[int], *, use_triton: bool, margin: float = 0.05
-               ) -> dict[tuple[int, int], dict[int, GemmBackend]]:
-    """Time the candidates and set ``gemm_plan`` on every bias-free linear layer of ``model`` (CUDA).
+def time_product(backend: GemmBackend | None, x: torch.Tensor, weights: list[torch.Tensor], out: torch.Tensor
+                 ) -> float:
+    """Seconds for ``x @ w.T`` with every weight in turn, by ``backend`` (None: torch's default), on CUDA."""
+    return graph_seconds(_run_all(backend, x, weights, out))
+
+
+def plan_gemms(model: torch.nn.Module, sizes: list[int], *, use_triton: bool, margin: float = 0.05,
+               time_fn=time_product) -> dict[tuple[int, int], dict[int, GemmBackend]]:
+    """Time the candidates (``time_fn``, CUDA graphs by default) and set ``gemm_plan`` on every bias-free linear
+    layer of ``model``.
 
     Returns {(N, K): {rows: chosen backend}} for the rows where something beat the default by ``margin``."""
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
     groups: dict[tuple[int, int], list[LinearBase]] = defaultdict(list)
     for m in model.modules():
-        if isinstance(m, LinearBase) and m.bias is None and m.weight.is_cuda and m.weight.dim() == 2:
+        if isinstance(m, LinearBase) and m.bias is None and m.weight.dim() == 2:
             groups[tuple(m.weight.shape)].append(m)
     # torch's current preference ("cublas" unless changed): what the default product already runs
     default_lib = str(torch.backends.cuda.preferred_blas_library()).rsplit(".", 1)[-1].lower()
@@ -146,14 +153,14 @@ def plan_gemms(model: torch.nn.Module, sizes: list[int], *, use_triton: bool, ma
         for rows in sizes:
             x = torch.randn(rows, K, device=w0.device, dtype=w0.dtype)
             out = torch.empty(rows, N, device=w0.device, dtype=w0.dtype)
-            base = graph_seconds(_run_all(None, x, weights, out))
+            base = time_fn(None, x, weights, out)
             best, best_t = None, base * (1.0 - margin)
             cands = [GemmBackend(lib) for lib in BLAS_LIBRARIES if lib != default_lib]  # the default is timed
             if use_triton:
                 cands += [b for b in triton_candidates(rows, K) if b not in broken]
             for cand in cands:
                 try:
-                    t = graph_seconds(_run_all(cand, x, weights, out))
+                    t = time_fn(cand, x, weights, out)
                 except Exception as e:  # a config this GPU can't run (shared memory, ...): not a candidate
                     logger.debug("GEMM candidate %s failed for (%d, %d) x %d rows: %s", cand, N, K, rows, e)
                     continue
