@@ -1,8 +1,9 @@
 """The per-row-count GEMM plan of the linear layers (``LinearBase.gemm_plan``, ``nanovllm.engine.gemm_plan``).
 
-Timing the candidates needs CUDA (run on the GPU by the benchmarks); here: a planned backend is used for
-exactly the row counts it names and never with a bias, row-parallel layers write it into the reducer's
-buffer, and the backend / candidate descriptions are checked."""
+The real timing needs CUDA (the benchmarks run it on the GPU); here a fake timing function drives the choice
+(the margin, per-shape assignment, bias layers left alone, configs that don't build skipped). Also: a planned
+backend is used for exactly the row counts it names and never with a bias, row-parallel layers write it into
+the reducer's buffer, and the backend / candidate descriptions are checked."""
 import pytest
 import torch
 
