@@ -1,6 +1,8 @@
 """Small host-side helpers shared by the kernel wrappers (argument checks, launch-size helpers)."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -13,6 +15,23 @@ def next_pow2(n: int) -> int:
 
 def is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
+
+
+def interpreting() -> bool:
+    """True under the Triton CPU interpreter (TRITON_INTERPRET set and not 0)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def upcast_dots(dtype: torch.dtype) -> bool:
+    """Whether a kernel should upcast its dot operands to float32: bfloat16 under the CPU interpreter, which
+    multiplies bfloat16 dot operands as their raw uint16 bits."""
+    return dtype == torch.bfloat16 and interpreting()
+
+
+def dot_precision(dtype: torch.dtype) -> str | None:
+    """``tl.dot``'s input_precision: exact float32 products for float32 inputs (no TF32), so float32 results
+    match the references tightly; the default otherwise."""
+    return "ieee" if dtype == torch.float32 else None
 
 
 def check_float(name: str, t: torch.Tensor) -> None:

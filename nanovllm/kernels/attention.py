@@ -22,7 +22,16 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels._common import check_float, check_int, check_same_device, is_pow2, next_pow2, sm_count
+from nanovllm.kernels._common import (
+    check_float,
+    check_int,
+    check_same_device,
+    dot_precision,
+    is_pow2,
+    next_pow2,
+    sm_count,
+    upcast_dots,
+)
 
 _LOG2E = 1.4426950408889634
 
@@ -298,16 +307,6 @@ def _check_common(fn: str, q, k_cache, v_cache, seq_lens, block_tables, out, out
     return out, seq_lens, H, Hkv, D, block_size, B
 
 
-def _upcast_dots(dtype) -> bool:
-    # The Triton CPU interpreter multiplies bfloat16 dot operands as their raw uint16 bits; upcast them there.
-    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _dot_precision(dtype):
-    # fp32 inputs: exact fp32 dots (no TF32) so float32 results match the reference tightly
-    return "ieee" if dtype == torch.float32 else None
-
-
 _PREFILL_BLOCK_B = 128  # sequences looked up per step of the tile -> sequence search
 
 
@@ -361,8 +360,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         G=G, G_PAD=G_PAD, BLOCK_Q=BLOCK_Q, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D,
-        BLOCK_SIZE=block_size, BLOCK_B=_PREFILL_BLOCK_B, PREC=_dot_precision(q.dtype),
-        UPCAST=_upcast_dots(q.dtype), num_warps=warps, num_stages=stages,
+        BLOCK_SIZE=block_size, BLOCK_B=_PREFILL_BLOCK_B, PREC=dot_precision(q.dtype),
+        UPCAST=upcast_dots(q.dtype), num_warps=warps, num_stages=stages,
     )
     return out
 
@@ -450,9 +449,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     G = H // Hkv
     BLOCK_G = max(16, next_pow2(G))  # tl.dot needs M >= 16; padded rows are masked
     BLOCK_N, warps, stages, heads_first = _decode_launch(D, q.dtype)
-    prec = _dot_precision(q.dtype)
+    prec = dot_precision(q.dtype)
     common = dict(G=G, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, HEAD_DIM=D, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
-                  PREC=prec, UPCAST=_upcast_dots(q.dtype), HEADS_FIRST=heads_first, USE_ORDER=order is not None,
+                  PREC=prec, UPCAST=upcast_dots(q.dtype), HEADS_FIRST=heads_first, USE_ORDER=order is not None,
                   num_warps=warps, num_stages=stages)
     grid = (Hkv, B, num_splits) if heads_first else (B, Hkv, num_splits)
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),

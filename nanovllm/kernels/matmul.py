@@ -22,14 +22,13 @@ rounding of the accumulation order.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels._common import check_float, check_int, check_same_device, is_pow2
+from nanovllm.kernels._common import check_float, check_int, check_same_device, dot_precision, is_pow2, upcast_dots
 
 
 @dataclass(frozen=True)
@@ -59,11 +58,6 @@ class MatmulConfig:
     def fits(self, K: int) -> bool:
         """Whether this config can run a K of this size (each slice a whole number of k-blocks)."""
         return K % (self.splits * self.block_k) == 0
-
-
-def _interpreting() -> bool:
-    # the CPU interpreter multiplies bfloat16 dot operands as their raw bits; the kernel upcasts them there
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit(do_not_specialize=["M"])  # one compile serves every row count
@@ -184,8 +178,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, config: MatmulConfig, out: torch.Te
         x, w, out, workspace, counters, M, N, K // config.splits,
         x.stride(0), w.stride(0), out.stride(0),
         SWAP=config.swap, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        UPCAST=x.dtype == torch.bfloat16 and _interpreting(), SPLIT=config.splits > 1,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # float32 inputs: exact products, not TF32
+        UPCAST=upcast_dots(x.dtype), SPLIT=config.splits > 1, PRECISION=dot_precision(x.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

@@ -45,14 +45,12 @@ argmax)`` instead of the token, for the ranks to reduce (``nanovllm.layers.sampl
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from nanovllm.kernels._common import check_int, check_same_device, next_pow2, sm_count
+from nanovllm.kernels._common import check_int, check_same_device, interpreting, next_pow2, sm_count
 
 BLOCK = 1024            # vocabulary tile per loop iteration (8 logits per thread with 4 warps)
 NUM_WARPS = 4
@@ -63,10 +61,6 @@ PROGRAMS_PER_SM = 4     # at least this many programs per SM overall (small batc
 # cheap winner must lead the runner-up by more than the sum of both bounds (1.7e-5 + ...), with room to spare.
 _MARGIN_ABS = 4e-5
 _MARGIN_REL = 2.0 ** -20
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -389,7 +383,7 @@ def _launch(fn, logits, temperatures, seeds, steps, out, partial, out_v, offset,
         logits, temperatures, seeds, steps, part_v, part_i, out, ov, V, offset, per_chunk * BLOCK,
         logits.stride(0), temperatures.stride(0), seeds.stride(0), steps.stride(0), out.stride(0), ov.stride(0),
         _MARGIN_ABS, _MARGIN_REL,
-        BLOCK=BLOCK, SINGLE=single, FORCE_EXACT=bool(force_exact), GPU=not _interpreting(), PARTIAL=partial,
+        BLOCK=BLOCK, SINGLE=single, FORCE_EXACT=bool(force_exact), GPU=not interpreting(), PARTIAL=partial,
         num_warps=NUM_WARPS,
     )
     if not single:
