@@ -7,6 +7,7 @@ the reducer's buffer, and the backend / candidate descriptions are checked."""
 import pytest
 import torch
 
+from nanovllm import LLM
 from nanovllm.distributed.group import TPGroup
 from nanovllm.engine.gemm_plan import GemmBackend, describe, plan_gemms, triton_candidates
 from nanovllm.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -145,3 +146,13 @@ def test_plan_skips_triton_configs_that_do_not_build(monkeypatch):
 def test_plan_rejects_a_bad_margin():
     with pytest.raises(ValueError, match="margin must be in"):
         plan_gemms(_model(), [4], use_triton=False, margin=1.5, time_fn=FakeTimes({}))
+
+
+def test_switch_from_environment(tiny_ckpt, monkeypatch):
+    monkeypatch.setenv("NANOVLLM_GEMM_PLAN", "0")
+    llm = LLM(tiny_ckpt("qwen3"), device="cpu", dtype="float32", kvcache_block_size=16)
+    assert llm.engine.runner.use_gemm_plan is False and llm.engine.runner.gemm_plan == {}
+    llm.shutdown()
+    monkeypatch.setenv("NANOVLLM_GEMM_PLAN", "yes")
+    with pytest.raises(ValueError, match="NANOVLLM_GEMM_PLAN must be 0 or 1, got 'yes'"):
+        LLM(tiny_ckpt("qwen3"), device="cpu", dtype="float32", kvcache_block_size=16)

@@ -73,6 +73,8 @@ class ModelRunner:
         self.trim_last_layer = _env_switch("NANOVLLM_TRIM_LAST_LAYER")
         # decode attention launches the longest sequences first (NANOVLLM_DECODE_ORDER=0: batch order)
         self.decode_order = _env_switch("NANOVLLM_DECODE_ORDER")
+        # CUDA graphs: per (layer shape, graph batch size) the fastest GEMM (NANOVLLM_GEMM_PLAN=0: torch's default)
+        self.use_gemm_plan = _env_switch("NANOVLLM_GEMM_PLAN")
         self.timer = StepTimer.from_env(self.device, self.tp.rank)
         self.profilers = StepProfiler.from_env(self.device, self.tp.rank)
         # the latest step's sampled ids, read on the device by the next step's placeholder inputs
@@ -85,8 +87,7 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.args.enforce_eager:
             max_bs = min(config.max_num_seqs, 512)
             self.graph_sizes = sorted({b for b in (1, 2, 4, 8, *range(16, max_bs + 1, 16)) if b <= max_bs} | {max_bs})
-            # per (layer shape, graph batch size): the fastest GEMM (NANOVLLM_GEMM_PLAN=0: torch's default)
-            if _env_switch("NANOVLLM_GEMM_PLAN"):
+            if self.use_gemm_plan:
                 from nanovllm.engine.gemm_plan import describe, plan_gemms
                 t0 = time.perf_counter()
                 self.gemm_plan = plan_gemms(self.model, self.graph_sizes,
