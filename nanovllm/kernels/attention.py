@@ -117,10 +117,13 @@ def _prefill_kernel(
         offs_b = b0 + tl.arange(0, BLOCK_B)
         starts = tl.load(CU + offs_b, mask=offs_b < num_seqs, other=1 << 30).to(tl.int32) // BLOCK_Q + offs_b
         b += tl.sum((starts <= pid).to(tl.int32), axis=0)
+    # cu[0] may be > 0 (rows before it belong to no sequence): the programs before sequence 0's first tile
+    # find no sequence (b = -1) and exit below (qb < 0)
+    b = tl.maximum(b, 0)
     q_start = tl.load(CU + b).to(tl.int32)
     q_len = tl.load(CU + b + 1).to(tl.int32) - q_start
     qb = pid - (q_start // BLOCK_Q + b)
-    if qb * BLOCK_Q < q_len:
+    if (qb >= 0) & (qb * BLOCK_Q < q_len):
         seq_len = tl.load(SEQ_LENS + b).to(tl.int32)
         ctx = seq_len - q_len                      # cached tokens before this step's queries
         offs_m = tl.arange(0, BLOCK_M)
@@ -181,7 +184,7 @@ def _decode_kernel(
     stride_kb, stride_ks, stride_kh, stride_bt,
     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-    HEADS_FIRST: tl.constexpr, USE_ORDER: tl.constexpr,
+    HEADS_FIRST: tl.constexpr, USE_ORDER: tl.constexpr, SKIP_EMPTY: tl.constexpr,
 ):
     # HEADS_FIRST: grid (Hkv, B, splits), so the programs of one sequence's KV heads are launched together
     if HEADS_FIRST:
@@ -229,8 +232,11 @@ def _decode_kernel(
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:
+        keep = g_ok
+        if SKIP_EMPTY:
+            keep = offs_g < tl.where(seq_len > 0, G, 0)
         tl.store(Out + b64 * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
-                 out.to(Out.dtype.element_ty), mask=g_ok[:, None])
+                 out.to(Out.dtype.element_ty), mask=keep[:, None])
     else:
         # workspace: PART_O (B, H, NUM_SPLITS, D), PART_LSE (B, H, NUM_SPLITS), contiguous float32
         idx = (b64 * H + head) * NUM_SPLITS + split
@@ -241,7 +247,8 @@ def _decode_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(PART_O, PART_LSE, Out, stride_ob, stride_oh,
-                          NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+                          NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          SKIP_EMPTY: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     H = tl.num_programs(1)
@@ -256,7 +263,10 @@ def _decode_reduce_kernel(PART_O, PART_LSE, Out, stride_ob, stride_oh,
     denom = tl.sum(w, 0)
     po = tl.load(PART_O + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
     out = tl.sum(po * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
-    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty))
+    keep = offs_d < HEAD_DIM
+    if SKIP_EMPTY:
+        keep = offs_d < tl.where(denom > 0.0, HEAD_DIM, 0)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=keep)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -413,7 +423,7 @@ def decode_workspace_numel(batch: int, num_heads: int, head_dim: int, num_splits
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                            block_tables: torch.Tensor, scale: float, out: torch.Tensor | None = None, *,
                            num_splits: int | None = None, workspace: torch.Tensor | None = None,
-                           order: torch.Tensor | None = None) -> torch.Tensor:
+                           order: torch.Tensor | None = None, skip_empty: bool = False) -> torch.Tensor:
     """One query per sequence at position seq_len - 1 (``paged_attention_ref`` with cu_seqlens_q = arange(B+1)).
 
     Args:
@@ -427,6 +437,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         order: optional (B,) int permutation of 0..B-1: the order in which sequences are launched (not checked on
             the device: anything else leaves rows unwritten). Longest first balances the GPU's tail: the programs
             of long sequences start early and short ones fill the gaps. Results don't depend on it.
+        skip_empty: leave the rows of sequences with seq_len 0 untouched instead of writing zeros (another kernel
+            may be writing them at the same time: a mixed step's varlen half).
     CUDA-graph safe: no host sync, launch sizes and allocations depend on shapes only.
     """
     fn = "paged_decode_attention"
@@ -452,7 +464,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     prec = dot_precision(q.dtype)
     common = dict(G=G, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, HEAD_DIM=D, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
                   PREC=prec, UPCAST=upcast_dots(q.dtype), HEADS_FIRST=heads_first, USE_ORDER=order is not None,
-                  num_warps=warps, num_stages=stages)
+                  SKIP_EMPTY=bool(skip_empty), num_warps=warps, num_stages=stages)
     grid = (Hkv, B, num_splits) if heads_first else (B, Hkv, num_splits)
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
@@ -475,5 +487,5 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                          seq_lens if order is None else order, qk_scale, *strides, **common)
     _decode_reduce_kernel[(B, H)](part_o, part_lse, out, out.stride(0), out.stride(1),
                                   NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits), HEAD_DIM=D,
-                                  num_warps=4)
+                                  SKIP_EMPTY=bool(skip_empty), num_warps=4)
     return out

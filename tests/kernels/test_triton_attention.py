@@ -123,6 +123,22 @@ def test_prefill_decode_only_batch_matches_decode_kernel(device):
     torch.testing.assert_close(dec, ref, **TOL[torch.float32])
 
 
+def test_prefill_leading_rows_without_sequence(device):
+    """cu_seqlens_q[0] > 0 and zero-length sequences in front (the varlen half of a mixed step, whose first
+    rows belong to the decode kernel): the rows before cu[0] stay untouched, however many query tiles they span
+    (the programs that cover them find no sequence), and the sequences after them are exact."""
+    specs = [(40, 1)] * 70 + [(90, 50), (33, 7)]          # 70 one-token rows (> two query tiles), then chunks
+    batch = make_batch(specs, 4, 1, 32, 16, torch.float32, device, seed=5)
+    ref = reference(batch, 0.3)
+    cu = batch["cu_seqlens_q"].clone()
+    cu[:71] = 70                                           # sequences 0..69: no queries
+    out = torch.full_like(batch["q"], float("nan"))
+    paged_prefill_attention(batch["q"], batch["k_cache"], batch["v_cache"], cu, batch["seq_lens"],
+                            batch["block_tables"], 0.3, batch["max_seqlen_q"], out=out)
+    assert out[:70].isnan().all()
+    torch.testing.assert_close(out[70:], ref[70:], **TOL[torch.float32])
+
+
 def test_prefill_defaults_allocate_output(device):
     batch = make_batch([(20, 5)], 2, 1, 16, 16, torch.float32, device, seed=11)
     out = paged_prefill_attention(batch["q"], batch["k_cache"], batch["v_cache"], batch["cu_seqlens_q"],
@@ -232,3 +248,35 @@ def test_argument_checks(device):
     with pytest.raises(ValueError, match="contiguous"):
         paged_prefill_attention(batch["q"].transpose(1, 2).contiguous().transpose(1, 2), batch["k_cache"],
                                 batch["v_cache"], *args)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_skip_empty_leaves_rows_untouched(device, num_splits):
+    batch = make_batch(DECODE, 4, 2, 32, 16, torch.float32, device, seed=4)
+    out = torch.full_like(batch["q"], float("nan"))
+    paged_decode_attention(batch["q"], batch["k_cache"], batch["v_cache"], batch["seq_lens"], batch["block_tables"],
+                           0.3, out=out, num_splits=num_splits, skip_empty=True)
+    empty = batch["seq_lens"] == 0
+    assert empty.any() and out[empty].isnan().all()
+    torch.testing.assert_close(out[~empty], reference(batch, 0.3)[~empty], **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_backend_mixed_step_split(device, splits):
+    """The Triton backend's mixed step: the leading one-token sequences through the decode kernel (decode_lens),
+    the rest through the varlen kernel (prefill_cu: no queries for the one-token ones), empty padding sequences
+    at the end as in a CUDA graph. Equal to the reference over the whole batch."""
+    from nanovllm.attention.backend import AttentionMetadata, TritonAttentionBackend
+    specs = [(40, 1), (300, 1), (17, 1), (1, 1), (90, 50), (33, 7), (130, 1), (0, 0), (0, 0)]
+    nd = 4
+    batch = make_batch(specs, 4, 2, 32, 16, torch.float32, device, seed=9, strided=True)
+    dec_lens = batch["seq_lens"].clone()
+    dec_lens[nd:] = 0
+    prefill_cu = batch["cu_seqlens_q"].clone()
+    prefill_cu[:nd + 1] = nd
+    T = batch["q"].shape[0]
+    meta = AttentionMetadata(torch.full((T,), -1, dtype=torch.int32, device=device), batch["cu_seqlens_q"],
+                             batch["seq_lens"], batch["block_tables"], batch["max_seqlen_q"], is_decode=False,
+                             decode_lens=dec_lens, prefill_cu=prefill_cu, decode_splits=splits)
+    out = TritonAttentionBackend().attend(batch["q"], batch["k_cache"], batch["v_cache"], meta, 0.3)
+    torch.testing.assert_close(out, reference(batch, 0.3), **TOL[torch.float32])
