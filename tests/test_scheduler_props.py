@@ -22,12 +22,13 @@ from nanovllm.sampling_params import SamplingParams
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(block_size=st.sampled_from([16, 32]), num_blocks=st.integers(8, 40),
                 budget=st.integers(16, 200), max_seqs=st.integers(1, 8), caching=st.booleans(),
-                async_mode=st.booleans())
-    def setup(self, block_size, num_blocks, budget, max_seqs, caching, async_mode):
+                async_mode=st.booleans(), policy=st.sampled_from(["fcfs", "balanced"]),
+                step_sizes=st.sampled_from([(), (16, 32, 48), (64,)]))
+    def setup(self, block_size, num_blocks, budget, max_seqs, caching, async_mode, policy, step_sizes):
         self.async_mode = async_mode  # resolve each step's tokens one step late, as async scheduling does
         self.inflight = None
         self.bm = BlockManager(num_blocks, block_size, caching)
-        self.sched = Scheduler(self.bm, max_seqs, budget)
+        self.sched = Scheduler(self.bm, max_seqs, budget, policy, step_sizes=step_sizes)
         self.max_len = num_blocks * block_size  # one sequence alone always fits
         self.budget, self.max_seqs = budget, max_seqs
         self.seqs: dict[int, Sequence] = {}

@@ -11,7 +11,22 @@ and `num_tokens` (known tokens); each step hands out up to `max_num_batched_toke
    reuses whatever prefix the cache holds and is admitted with a chunk of its remaining tokens.
 
 Chunked prefill, prefix-cache hits, decode and mixed prefill+decode batches all come out of these two
-loops. A sequence whose chunk reaches its last known token gets a new token sampled this step.
+loops. A sequence whose chunk reaches its last known token gets a new token sampled this step. Sequences that
+compute one token this step come first in the step (so a backend can send them to its decode kernel).
+
+Policies (what decides how much prefill joins a step):
+* ``fcfs``: waiting requests in arrival order, as much prefill as the token budget allows. Lowest time to first
+  token; what a server wants.
+* ``balanced``: for a batch known up front (offline ``generate``), spread the prefill over the run instead of
+  front-loading it. A decode step of a large model is bound by reading the weights: every step reads them once,
+  whether it computes 50 rows or 250, so prefill rows that ride along in a decode step cost little, while a
+  decode step at the run's thin tail pays the full weight read for a few rows. Each step therefore computes
+  about ``work left / steps left`` tokens: work left counts every unfinished request's prompt and
+  ``max_tokens`` still to compute, steps left is the longest ``max_tokens`` still to generate (no schedule can
+  finish sooner). Waiting requests are admitted longest ``max_tokens`` first, and one whose ``max_tokens`` is
+  not shorter than what the running requests still need is admitted at once with a full chunk (waiting would
+  lengthen the run). ``max_tokens`` is an upper bound when a request can stop early; the policy then
+  under-admits a little and the next steps' targets correct it.
 
 With async scheduling the step after this one is scheduled before this one's tokens are read back: each
 sampling sequence gets a PLACEHOLDER token (its value stays on the device and feeds the next step's input
@@ -19,6 +34,8 @@ directly); a sequence whose placeholder is its last allowed token is not schedul
 """
 from __future__ import annotations
 
+import bisect
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -47,12 +64,23 @@ class SchedulerOutput:
         return bool(self.seqs)
 
 
+SCHEDULING_POLICIES = ("fcfs", "balanced")
+
+
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: str = "fcfs", step_sizes: list[int] | tuple[int, ...] = ()):
+        """`step_sizes`: token counts the runner runs fastest (its mixed-step CUDA graphs); the balanced policy
+        rounds its steps up to one of them, so no graph row is padding."""
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
+        self.step_sizes = sorted(step_sizes)
         self.waiting: deque[Sequence] = deque()
+        self._unsorted = False  # requests were added since `waiting` was last put in the policy's order
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
@@ -60,6 +88,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        self._unsorted = True
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -80,6 +109,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        balanced = self.policy == "balanced"
+        if balanced and self._unsorted:
+            # preempted sequences stay in front (they have waited longest), then longest max_tokens first
+            self.waiting = deque(sorted(self.waiting, key=lambda s: (s.num_preemptions == 0, -s.max_tokens)))
+        self._unsorted = False
+        # tokens of prompt (or recomputation) work this step may take; decode tokens never wait for it
+        prefill_budget, horizon = self._prefill_target() if balanced else (budget, 0)
 
         # 1. running sequences (decode, or the next chunk of a prefill)
         i = 0
@@ -89,6 +125,12 @@ class Scheduler:
                 i += 1
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n > 1:
+                n = n if self._urgent(seq, horizon) else min(n, prefill_budget)
+                if n == 0:
+                    i += 1
+                    continue
+                prefill_budget = max(prefill_budget - n, 0)
             target = seq.num_computed_tokens + n
             while not self.bm.can_grow(seq, target):
                 victim = self.running.pop()
@@ -107,9 +149,12 @@ class Scheduler:
         # 2. waiting sequences (new, or preempted earlier); none while we are short of blocks
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
+            room = budget if self._urgent(seq, horizon) else min(budget, prefill_budget)
+            if room <= 0:
+                break
             hits, hashes = self.bm.find_cached_prefix(seq)
             cached = len(hits) * self.bm.block_size
-            n = min(seq.num_tokens - cached, budget)
+            n = min(seq.num_tokens - cached, room)
             if not self.bm.can_admit(hits, cached + n):
                 break
             self.waiting.popleft()
@@ -120,7 +165,46 @@ class Scheduler:
             out.seqs.append(seq)
             out.num_new_tokens.append(n)
             budget -= n
+            prefill_budget = max(prefill_budget - n, 0)
+
+        # one-token sequences first (stable): a backend can hand that prefix of the batch to its decode kernel
+        if len(out.seqs) > 1 and not all(n == 1 for n in out.num_new_tokens):
+            pairs = sorted(zip(out.seqs, out.num_new_tokens), key=lambda p: p[1] != 1)
+            out.seqs = [p[0] for p in pairs]
+            out.num_new_tokens = [p[1] for p in pairs]
         return out
+
+    def _prefill_target(self) -> tuple[int, int]:
+        """Balanced policy: (prompt tokens this step may compute, steps the running sequences still need).
+
+        The step's rows are ``ceil(work / steps)``, rounded up to a step size: work is every unfinished token
+        still to compute (prompts and ``max_tokens``), steps the longest ``max_tokens`` still to generate. The
+        running sequences' decode rows come out of those rows; the rest may go to prefill. (Admitting faster, so
+        that every waiting request also meets the latest start that keeps the run at `steps`, was measured to
+        leave a thinner tail of weight-bound steps and be slower: benchmarks/RESULTS.md run 17.)"""
+        work = 0
+        decode = 0
+        horizon = 0  # steps the running sequences still need (their longest remaining max_tokens)
+        for s in self.running:
+            if s.awaiting_last_token:
+                continue
+            work += s.num_prompt_tokens + s.max_tokens - s.num_computed_tokens
+            decode += s.num_tokens - s.num_computed_tokens == 1
+            horizon = max(horizon, s.max_tokens - s.num_output_tokens)
+        steps = horizon
+        for s in self.waiting:
+            work += s.num_prompt_tokens + s.max_tokens - s.num_computed_tokens
+            steps = max(steps, s.max_tokens - s.num_output_tokens)
+        rows = max(math.ceil(work / max(steps, 1)), decode)
+        i = bisect.bisect_left(self.step_sizes, rows)
+        if i < len(self.step_sizes):
+            rows = self.step_sizes[i]
+        return rows - decode, horizon
+
+    def _urgent(self, seq: Sequence, horizon: int) -> bool:
+        """Balanced policy: holding back this sequence's prefill would lengthen the run (it needs at least as
+        many steps as the running sequences still do). Under fcfs nothing is held back anyway."""
+        return self.policy != "balanced" or seq.max_tokens - seq.num_output_tokens >= horizon
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.release(seq)

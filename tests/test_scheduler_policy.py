@@ -1,0 +1,132 @@
+"""The scheduling policies on a simulated run (no model): every step's sampled tokens are resolved at once and
+each request stops at its max_tokens, as with ignore_eos."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from nanovllm.engine.batch import build_step_batch
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling_params import SamplingParams
+
+SIZES = [128, 256, 384, 512]
+
+
+def workload(n=48, seed=0):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1000) for _ in range(rng.randint(20, 300))] for _ in range(n)]
+    return prompts, [rng.randint(10, 200) for _ in range(n)]
+
+
+def simulate(policy, prompts, max_tokens, budget=2048, step_sizes=SIZES):
+    """Run the scheduler to the end; return each step's (sequences, tokens) and the admission order."""
+    sched = Scheduler(BlockManager(4096, 16, True), 256, budget, policy, step_sizes=step_sizes)
+    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+        sched.add(Sequence(i, str(i), p, SamplingParams(max_tokens=m, ignore_eos=True), m, frozenset(), 0))
+    steps, admitted = [], []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        assert out, "no progress"
+        admitted += [s.seq_id for s, n in zip(out.seqs, out.num_new_tokens)
+                     if s.num_computed_tokens == 0 and s.seq_id not in admitted]
+        steps.append(list(zip(out.seqs, out.num_new_tokens)))
+        for seq, _ in sched.on_step_done(out):
+            seq.token_ids[-1] = 7
+            if seq.num_output_tokens >= seq.max_tokens:
+                sched.finish(seq, "length")
+    return steps, admitted
+
+
+def test_balanced_admits_longest_first_and_finishes_in_the_fewest_steps():
+    prompts, max_tokens = workload()
+    steps, admitted = simulate("balanced", prompts, max_tokens)
+    assert [max_tokens[i] for i in admitted] == sorted(max_tokens, reverse=True)
+    # no request was held back long enough to lengthen the run: it is exactly as long as the longest request
+    assert len(steps) == max(max_tokens)
+    fcfs_steps, fcfs_admitted = simulate("fcfs", prompts, max_tokens)
+    assert fcfs_admitted == list(range(len(prompts)))
+    assert len(fcfs_steps) > len(steps)
+
+
+def test_balanced_spreads_prefill_and_fills_step_sizes():
+    prompts, max_tokens = workload()
+    sizes = [32, 64, 96, 128]  # this workload's average step is ~65 tokens
+    steps, _ = simulate("balanced", prompts, max_tokens, step_sizes=sizes)
+    fcfs_steps, _ = simulate("fcfs", prompts, max_tokens, step_sizes=sizes)
+    with_prefill = lambda run: sum(any(n > 1 for _, n in st) for st in run)  # noqa: E731
+    # fcfs prefills everything in the first few steps; balanced in most steps
+    assert with_prefill(fcfs_steps) <= 8
+    assert with_prefill(steps) > len(steps) // 2
+    # a step that prefills holds a step size of tokens, unless a request had to start at once with its whole
+    # prompt (its max_tokens as long as the run's remaining steps) or nothing was left to prefill
+    tokens = [sum(n for _, n in st) for st in steps[1:]]
+    prefilling = [t for t, st in zip(tokens, steps[1:]) if any(n > 1 for _, n in st)]
+    assert sum(t in sizes for t in prefilling) >= 0.8 * len(prefilling)
+
+
+def test_one_token_sequences_come_first():
+    prompts, max_tokens = workload(24, seed=3)
+    for policy in ("fcfs", "balanced"):
+        steps, _ = simulate(policy, prompts, max_tokens, budget=256)
+        mixed = 0
+        for st in steps:
+            ones = [n == 1 for _, n in st]
+            assert ones == sorted(ones, reverse=True)  # every one-token sequence before every chunk
+            mixed += any(ones) and not all(ones)
+        assert mixed > 0
+
+
+def test_step_batch_counts_leading_decode_rows():
+    bm = BlockManager(64, 16, True)
+    sched = Scheduler(bm, 8, 64)
+    a = Sequence(0, "a", list(range(10)), SamplingParams(max_tokens=5), 5, frozenset(), 0)
+    sched.add(a)
+    out = sched.schedule()
+    sched.on_step_done(out)
+    a.token_ids[-1] = 3
+    sched.add(Sequence(1, "b", list(range(40)), SamplingParams(max_tokens=5), 5, frozenset(), 0))
+    out = sched.schedule()
+    assert out.num_new_tokens == [1, 40]
+    batch = build_step_batch(out, 16)
+    assert batch.num_decode == 1 and not batch.is_decode
+
+
+def test_bad_policy():
+    with pytest.raises(ValueError, match="'lifo'"):
+        Scheduler(BlockManager(8, 16, True), 4, 64, "lifo")
+
+
+def test_auto_policy():
+    import os
+
+    import torch
+
+    from nanovllm.config import ModelConfig, auto_scheduling_policy
+    models = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "models")
+    big = ModelConfig.from_dir(os.path.join(models, "qwen3-8b"))
+    small = ModelConfig.from_dir(os.path.join(models, "qwen3-0.6b"))
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert auto_scheduling_policy(big, torch.bfloat16, 1, cuda) == "balanced"   # 16.4 GB per GPU
+    assert auto_scheduling_policy(big, torch.bfloat16, 2, cuda) == "fcfs"       # 8.2 GB per GPU
+    assert auto_scheduling_policy(small, torch.bfloat16, 1, cuda) == "fcfs"
+    assert auto_scheduling_policy(big, torch.bfloat16, 1, cpu) == "fcfs"
+
+
+def test_engine_policy_args(tiny_ckpt):
+    from nanovllm import LLM
+    from nanovllm.cli import build_parser
+    from nanovllm.server.cli import server_engine_args
+    path = tiny_ckpt("qwen3")
+    with pytest.raises(ValueError, match="scheduling_policy.*'lifo'"):
+        LLM(path, device="cpu", scheduling_policy="lifo")
+    assert LLM(path, device="cpu").engine.scheduler.policy == "fcfs"  # auto: fcfs off CUDA
+    assert LLM(path, device="cpu", scheduling_policy="balanced").engine.scheduler.policy == "balanced"
+    # the server schedules fcfs unless told otherwise
+    pytest.importorskip("fastapi")
+    parser = build_parser()
+    assert server_engine_args(parser.parse_args(["serve", path])).scheduling_policy == "fcfs"
+    ns = parser.parse_args(["serve", path, "--scheduling-policy", "balanced"])
+    assert server_engine_args(ns).scheduling_policy == "balanced"
