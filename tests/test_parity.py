@@ -192,6 +192,8 @@ def test_async_scheduling(kwargs, tiny_ckpt, hf_greedy):
 @pytest.mark.parametrize("kwargs", [
     {"max_num_batched_tokens": 48, "kvcache_block_size": 32, "async_scheduling": True},
     {"kvcache_block_size": 16, "num_kvcache_blocks": 9, "max_model_len": 120},
+    # prefill spread over the run: most steps mix decode rows (decode kernel) with chunks (varlen kernel)
+    {"max_num_batched_tokens": 48, "kvcache_block_size": 32, "scheduling_policy": "balanced"},
 ])
 def test_triton_backend_under_interpreter(kwargs, tiny_ckpt, hf_greedy):
     """The Triton attention kernels (KV store, varlen prefill, decode) in the engine: float32 on the CPU

@@ -25,3 +25,30 @@ def test_decode_order_longest_first_then_padding():
     assert v["seq_lens"].tolist() == [5, 90, 17, 90, 1, 0, 0, 0]
     assert v["slots"].tolist() == [0, 1, 2, 3, 4, -1, -1, -1]
     assert v["sample_seqs"][:5].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_mixed_step_split_fields_and_graph_padding():
+    """A mixed step packed into a larger (CUDA-graph) layout: the decode kernel's lengths (one-token sequences
+    only), the varlen kernel's offsets (no queries for them), padded sampled rows gather row 0. Banned tokens
+    (min_tokens) don't fit a graph layout: they are left to the runner instead of failing."""
+    B = 3  # two decode rows, then a 4-token chunk
+    batch = StepBatch(
+        input_ids=[1, 2, 3, 4, 5, 6], positions=[9, 20, 0, 1, 2, 3], slot_mapping=list(range(6)),
+        cu_seqlens_q=[0, 1, 2, 6], seq_lens=[10, 21, 4], block_tables=[[0], [1], [2]], max_seqlen_q=4,
+        is_decode=False, sample_rows=[0, 1, 2],
+        sampling=SamplingBatch(temperatures=[0.0] * B, top_ks=[0] * B, top_ps=[1.0] * B, min_ps=[0.0] * B,
+                               seeds=[0] * B, steps=[0] * B, logprobs=[None] * B, banned=[(0, 5), (2, 7)]),
+        num_decode=2)
+    stage = Staging(torch.device("cpu"))
+    layout = Layout.make(8, 5, 2, 5)
+    stage.hosts[1][:] = 0xFF  # stale bytes from an earlier step
+    v = stage.upload(batch, layout)
+    assert v["dec_lens"].tolist() == [10, 21, 0, 0, 0]
+    assert v["cu_pre"].tolist() == [2, 2, 2, 6, 6, 6]
+    assert v["cu"].tolist() == [0, 1, 2, 6, 6, 6]
+    assert v["last"].tolist() == [0, 1, 5, 0, 0]
+    assert v["banned_rows"].numel() == 0
+    # an eager layout has room for them
+    v = stage.upload(batch, Layout.make(6, 3, 1, 3, 2))
+    assert v["banned_rows"].tolist() == [0, 2] and v["banned_tokens"].tolist() == [5, 7]
+    assert v["cu_pre"].tolist() == [2, 2, 2, 6]

@@ -10,6 +10,7 @@ host values fixed per captured CUDA graph, so a backend can run inside a graph w
 """
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -29,6 +30,13 @@ class AttentionMetadata:
     # decode: optional (B,) permutation, the order in which a backend should schedule the sequences (longest
     # first balances the device); results don't depend on it
     decode_order: torch.Tensor | None = None
+    # mixed steps (optional): the one-token sequences can go through a decode kernel and the rest through the
+    # varlen kernel. `decode_lens` (B,) is each one-token sequence's length and 0 for the others; `prefill_cu`
+    # (B + 1,) are query offsets in which the one-token sequences have no queries; `decode_splits` (host) the
+    # decode kernel's KV splits. Row b of a one-token sequence b is query row b: the scheduler puts them first.
+    decode_lens: torch.Tensor | None = None
+    prefill_cu: torch.Tensor | None = None
+    decode_splits: int = 1
 
 
 @dataclass
@@ -78,6 +86,13 @@ class TritonAttentionBackend(AttentionBackend):
         if not kernels.triton_available():
             raise ValueError("attention_backend='triton' needs the triton package; use attention_backend='torch'")
         self.k = kernels
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        # mixed steps on a GPU: the two kernels side by side on two streams (NANOVLLM_MIXED_OVERLAP=0: one after
+        # the other, for A/B runs)
+        value = os.environ.get("NANOVLLM_MIXED_OVERLAP", "1")
+        if value not in ("0", "1"):
+            raise ValueError(f"NANOVLLM_MIXED_OVERLAP must be 0 or 1, got {value!r}")
+        self.overlap = value == "1"
 
     def store(self, k, v, k_cache, v_cache, slot_mapping):
         self.k.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
@@ -86,8 +101,38 @@ class TritonAttentionBackend(AttentionBackend):
         if meta.is_decode:
             return self.k.paged_decode_attention(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
                                                  order=meta.decode_order)
-        return self.k.paged_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
-                                              meta.block_tables, scale, meta.max_seqlen_q)
+        if meta.decode_lens is None:
+            return self.k.paged_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
+                                                  meta.block_tables, scale, meta.max_seqlen_q)
+        # mixed step: the chunks through the varlen kernel and the one-token rows through the decode kernel (it
+        # packs a KV head's query heads without padding them to a prefill tile). The two write disjoint rows, so
+        # on a GPU they run side by side: the varlen kernel's few long programs on a second stream, next to the
+        # decode kernel's many short ones.
+        B = meta.decode_lens.shape[0]
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        side = self._side_stream(q.device) if self.overlap else None
+        if side is not None:
+            main = torch.cuda.current_stream(q.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                self.k.paged_prefill_attention(q, k_cache, v_cache, meta.prefill_cu, meta.seq_lens,
+                                               meta.block_tables, scale, meta.max_seqlen_q, out=out)
+        else:
+            self.k.paged_prefill_attention(q, k_cache, v_cache, meta.prefill_cu, meta.seq_lens, meta.block_tables,
+                                           scale, meta.max_seqlen_q, out=out)
+        self.k.paged_decode_attention(q[:B], k_cache, v_cache, meta.decode_lens, meta.block_tables, scale,
+                                      out=out[:B], num_splits=meta.decode_splits, skip_empty=True)
+        if side is not None:
+            main.wait_stream(side)
+        return out
+
+    def _side_stream(self, device: torch.device):
+        """The second CUDA stream of `device` for mixed steps (None off CUDA), made on first use."""
+        if device.type != "cuda":
+            return None
+        if self._streams.get(device) is None:
+            self._streams[device] = torch.cuda.Stream(device)  # (a high priority measured no different)
+        return self._streams[device]
 
 
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {

@@ -40,6 +40,9 @@ class StepBatch:
     # sampled ids, still on the device
     placeholder_pos: list[int] = field(default_factory=list)
     placeholder_rows: list[int] = field(default_factory=list)
+    # the leading sequences that compute one token each (the scheduler puts them first): a mixed step's
+    # attention can run them through the decode kernel and the rest through the varlen kernel
+    num_decode: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -96,4 +99,5 @@ def build_step_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
     return StepBatch(input_ids=input_ids, positions=positions, slot_mapping=slots, cu_seqlens_q=cu,
                      seq_lens=seq_lens, block_tables=tables, max_seqlen_q=max(out.num_new_tokens, default=0),
                      is_decode=out.is_decode, sample_rows=sample_rows, sampling=sb,
-                     placeholder_pos=ph_pos, placeholder_rows=ph_rows)
+                     placeholder_pos=ph_pos, placeholder_rows=ph_rows,
+                     num_decode=next((b for b, n in enumerate(out.num_new_tokens) if n != 1), len(out.seqs)))

@@ -18,6 +18,7 @@ from nanovllm.config import EngineArgs, EngineConfig
 from nanovllm.engine.batch import build_step_batch
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, find_stop
+from nanovllm.engine.model_runner import mixed_graph_sizes
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
@@ -98,7 +99,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_kvcache_blocks, self.config.block_size,
                                           args.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
-                                   self.config.max_num_batched_tokens)
+                                   self.config.max_num_batched_tokens, self.config.scheduling_policy,
+                                   step_sizes=mixed_graph_sizes(self.config))
         self.requests: dict[str, Sequence] = {}
         # async scheduling: the launched step whose tokens are not read yet, with its (seq, row) pairs
         self._inflight: tuple | None = None

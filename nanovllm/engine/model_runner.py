@@ -79,9 +79,11 @@ class ModelRunner:
         self.profilers = StepProfiler.from_env(self.device, self.tp.rank)
         # the latest step's sampled ids, read on the device by the next step's placeholder inputs
         self.sampled_buf = torch.zeros(max(config.max_num_seqs, 1), dtype=torch.int64, device=self.device)
-        self.num_kvcache_blocks = self._allocate_kv_cache()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_sizes: list[int] = []
+        self.mixed_sizes = mixed_graph_sizes(config)
+        self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.num_kvcache_blocks = self._allocate_kv_cache()  # (its warm-up steps run eagerly: no graphs yet)
         self.capture_seconds = self.gemm_plan_seconds = 0.0
         self.gemm_plan: dict = {}
         if self.device.type == "cuda" and not config.args.enforce_eager:
@@ -90,7 +92,7 @@ class ModelRunner:
             if self.use_gemm_plan:
                 from nanovllm.engine.gemm_plan import describe, plan_gemms
                 t0 = time.perf_counter()
-                self.gemm_plan = plan_gemms(self.model, self.graph_sizes,
+                self.gemm_plan = plan_gemms(self.model, sorted(set(self.graph_sizes) | set(self.mixed_sizes)),
                                             use_triton=config.attention_backend == "triton")
                 self.gemm_plan_seconds = time.perf_counter() - t0
                 logger.info("GEMM plan (%.1fs): %s", self.gemm_plan_seconds, describe(self.gemm_plan))
@@ -239,18 +241,27 @@ class ModelRunner:
         max_bs = self.graph_sizes[-1]
         self.graph_width = -(-cfg.max_model_len // self.block_size)
         self.graph_layouts = {bs: Layout.make(bs, bs, self.graph_width, bs) for bs in self.graph_sizes}
-        self.g_stage = torch.zeros(self.graph_layouts[max_bs].nbytes, dtype=torch.uint8, device=self.device)
+        # mixed graphs: R token rows of up to min(R, max_num_seqs) sequences, all of which may sample
+        self.mixed_layouts = {r: Layout.make(r, min(r, cfg.max_num_seqs), self.graph_width, min(r, cfg.max_num_seqs))
+                              for r in self.mixed_sizes}
+        nbytes = max(lay.nbytes for lay in [*self.graph_layouts.values(), *self.mixed_layouts.values()])
+        self.g_stage = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         self.g_cu = torch.arange(max_bs + 1, dtype=torch.int32, device=self.device)
         self.g_logits: dict[int, torch.Tensor] = {}
+        self.m_logits: dict[int, torch.Tensor] = {}
         pool = None
-        for bs in reversed(self.graph_sizes):
-            v = self.graph_layouts[bs].views(self.g_stage)
-            self._graph_forward(bs, v)  # warm up
+        # largest first, all in one memory pool; the staging bytes are zeros here (every sequence empty)
+        for graphs, logits, size, forward in (
+                *((self.mixed_graphs, self.m_logits, r, self._mixed_forward) for r in reversed(self.mixed_sizes)),
+                *((self.graphs, self.g_logits, bs, self._graph_forward) for bs in reversed(self.graph_sizes))):
+            layout = self.mixed_layouts[size] if forward == self._mixed_forward else self.graph_layouts[size]
+            v = layout.views(self.g_stage)
+            forward(size, v)  # warm up
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
-                self.g_logits[bs] = self._graph_forward(bs, v)
+                logits[size] = forward(size, v)
             pool = graph.pool()
-            self.graphs[bs] = graph
+            graphs[size] = graph
             torch.cuda.synchronize()
 
     def _graph_forward(self, bs: int, v: dict) -> torch.Tensor:
@@ -260,16 +271,34 @@ class ModelRunner:
         ids = torch.where(v["src"] >= 0, self.sampled_buf[v["src"].clamp(min=0)], v["ids"])
         return self.model.compute_logits(self.model(ids, v["pos"], meta), gather=self.tp.size == 1)  # (bs, V | shard)
 
+    def _mixed_forward(self, rows: int, v: dict) -> torch.Tensor:
+        """A mixed step (prefill chunks and decode rows) of up to `rows` tokens: the one-token sequences attend
+        through the decode kernel, the chunks through the varlen kernel (AttentionMetadata); logits for the
+        sampled rows (`last`, padded with row 0)."""
+        B = self.mixed_layouts[rows].B
+        meta = AttentionMetadata(v["slots"], v["cu"], v["seq_lens"], v["tables"].view(B, self.graph_width),
+                                 max_seqlen_q=rows, is_decode=False, decode_lens=v["dec_lens"],
+                                 prefill_cu=v["cu_pre"], decode_splits=self._decode_splits(B))
+        ids = torch.where(v["src"] >= 0, self.sampled_buf[v["src"].clamp(min=0)], v["ids"])
+        hidden = self.model(ids, v["pos"], meta)[v["last"]]
+        return self.model.compute_logits(hidden, gather=self.tp.size == 1)          # (B, V | shard)
+
     # --- one step ----------------------------------------------------------------------------------
     def _sampling_from(self, v: dict, sb: SamplingBatch) -> SamplingTensors:
         S = len(sb.temperatures)
         greedy = [t == 0.0 for t in sb.temperatures]
         asked = [k for k in sb.logprobs if k is not None]
+        banned = None
+        if sb.banned:
+            if v["banned_rows"].numel() == len(sb.banned):
+                banned = v["banned_rows"], v["banned_tokens"]
+            else:  # a CUDA graph's staging layout has no room for them: a separate small copy
+                pairs = torch.tensor(sb.banned, dtype=torch.int32).T.contiguous().to(self.device, non_blocking=True)
+                banned = pairs[0], pairs[1]
         return SamplingTensors(
             temperatures=v["temps"][:S], top_ks=v["top_ks"][:S], top_ps=v["top_ps"][:S], min_ps=v["min_ps"][:S],
             seeds=v["seeds"][:S], steps=v["steps"][:S],
-            banned_rows=v["banned_rows"] if sb.banned else None,
-            banned_tokens=v["banned_tokens"] if sb.banned else None,
+            banned_rows=banned[0] if banned else None, banned_tokens=banned[1] if banned else None,
             all_greedy=all(greedy), any_greedy=any(greedy),
             need_top_k=any(k > 0 for k in sb.top_ks), need_top_p=any(p < 1.0 for p in sb.top_ps),
             need_min_p=any(p > 0.0 for p in sb.min_ps), max_logprobs=max(asked) if asked else None)
@@ -299,12 +328,19 @@ class ModelRunner:
             v = self.staging.upload(batch, self.graph_layouts[bs], self.g_stage)
             self.graphs[bs].replay()
             logits = self.g_logits[bs][:n]                                     # (B, vocab | shard); all sample
+        elif S and self.mixed_graphs and batch.num_tokens <= self.mixed_sizes[-1]:
+            rows = self.mixed_sizes[bisect.bisect_left(self.mixed_sizes, batch.num_tokens)]
+            v = self.staging.upload(batch, self.mixed_layouts[rows], self.g_stage)
+            self.mixed_graphs[rows].replay()
+            logits = self.m_logits[rows][:S]                                   # (S, vocab | shard)
         else:
             width = max((len(t) for t in batch.block_tables), default=1)
             v = self.staging.upload(batch, Layout.make(batch.num_tokens, n, width, S, len(batch.sampling.banned)))
             meta = AttentionMetadata(v["slots"], v["cu"], v["seq_lens"], v["tables"].view(n, width),
                                      max_seqlen_q=batch.max_seqlen_q, is_decode=batch.is_decode,
                                      decode_order=v["order"] if batch.is_decode and self.decode_order else None)
+            if batch.num_decode and not batch.is_decode:
+                self._split_mixed(meta, v, batch.num_decode)
             ids = v["ids"]
             if batch.placeholder_pos:
                 ids = torch.where(v["src"] >= 0, self.sampled_buf[v["src"].clamp(min=0)], ids)
@@ -333,6 +369,20 @@ class ModelRunner:
             return PendingStep(sampled=out.token_ids, rank=self.tp.rank)
         return PendingStep.start_copy(out, self.device)
 
+    def _split_mixed(self, meta: AttentionMetadata, v: dict, num_decode: int) -> None:
+        """Let the backend send an eager mixed step's one-token sequences to its decode kernel. One KV split:
+        that variant is compiled at the mixed graphs' capture (a split count that varies with the step would
+        compile new variants mid-run), and the step's prefill chunks keep the GPU busy anyway."""
+        meta.decode_lens, meta.prefill_cu, meta.decode_splits = v["dec_lens"], v["cu_pre"], 1
+
+    def _decode_splits(self, batch: int) -> int:
+        """The decode kernel's KV splits for `batch` sequences, as a decode graph of that size uses them."""
+        if self.config.attention_backend != "triton":
+            return 1
+        from nanovllm.kernels.attention import decode_num_splits
+        return decode_num_splits(batch, self.attn_layers[0].num_kv_heads,
+                                 -(-self.config.max_model_len // self.block_size), self.block_size, self.device)
+
     def execute(self, batch: StepBatch) -> StepResult | None:
         """Run one step and wait for it. Returns the sampled tokens (on the rank that samples), else None."""
         return self.launch(batch).result()
@@ -356,6 +406,19 @@ class ModelRunner:
             import gc
             gc.collect()
             torch.cuda.empty_cache()
+
+
+def mixed_graph_sizes(config: EngineConfig) -> list[int]:
+    """Token counts of the CUDA graphs for mixed steps (prefill chunks riding with decode rows): multiples of
+    128 up to 512 (and the token budget); 128 was faster than 64 and 32 (benchmarks/RESULTS.md run 17). Empty
+    when CUDA graphs are off, or with the torch attention backend (its reference attention is not graph-safe for
+    mixed steps). The balanced scheduler fills its steps to these sizes."""
+    if config.device.type != "cuda" or config.args.enforce_eager or config.attention_backend != "triton":
+        return []
+    step = os.environ.get("NANOVLLM_MIXED_GRAPH_STEP", "128")  # for A/B runs
+    if step not in ("16", "32", "64", "128", "256"):
+        raise ValueError(f"NANOVLLM_MIXED_GRAPH_STEP must be 16, 32, 64, 128 or 256, got {step!r}")
+    return list(range(int(step), min(512, config.max_num_batched_tokens) + 1, int(step)))
 
 
 class PendingStep:

@@ -17,7 +17,8 @@ from nanovllm.engine.batch import StepBatch
 _FIELDS: tuple[tuple[str, torch.dtype], ...] = (
     ("seeds", torch.int64),
     ("ids", torch.int32), ("src", torch.int32), ("pos", torch.int32), ("slots", torch.int32),
-    ("cu", torch.int32), ("seq_lens", torch.int32), ("tables", torch.int32), ("last", torch.int32),
+    ("cu", torch.int32), ("cu_pre", torch.int32), ("seq_lens", torch.int32), ("dec_lens", torch.int32),
+    ("tables", torch.int32), ("last", torch.int32),
     ("sample_seqs", torch.int32), ("order", torch.int32),
     ("steps", torch.int32), ("top_ks", torch.int32), ("banned_rows", torch.int32), ("banned_tokens", torch.int32),
     ("temps", torch.float32), ("top_ps", torch.float32), ("min_ps", torch.float32),
@@ -39,7 +40,8 @@ class Layout:
 
     @classmethod
     def make(cls, T: int, B: int, W: int, S: int, NB: int = 0) -> Layout:
-        sizes = {"ids": T, "src": T, "pos": T, "slots": T, "cu": B + 1, "seq_lens": B, "order": B, "tables": B * W,
+        sizes = {"ids": T, "src": T, "pos": T, "slots": T, "cu": B + 1, "cu_pre": B + 1, "seq_lens": B,
+                 "dec_lens": B, "order": B, "tables": B * W,
                  "last": S, "sample_seqs": S, "steps": S, "top_ks": S, "seeds": S, "temps": S, "top_ps": S,
                  "min_ps": S, "banned_rows": NB, "banned_tokens": NB}
         off, fields = 0, {}
@@ -85,6 +87,14 @@ def pack(batch: StepBatch, layout: Layout, host: torch.Tensor) -> None:
     arr["seq_lens"][:B] = batch.seq_lens
     if layout.B > B:
         arr["seq_lens"][B:] = 0
+    if not batch.is_decode:  # a mixed step's split between the decode and the varlen kernel (AttentionMetadata)
+        nd = batch.num_decode
+        arr["dec_lens"][:nd] = batch.seq_lens[:nd]
+        arr["dec_lens"][nd:] = 0
+        cu_pre = arr["cu_pre"]
+        cu_pre[:nd + 1] = nd
+        cu_pre[nd + 1:B + 1] = batch.cu_seqlens_q[nd + 1:]
+        cu_pre[B + 1:] = batch.cu_seqlens_q[-1]
     if batch.is_decode:  # the decode kernel launches the longest sequences first; padding rows last
         order = arr["order"]
         order[:B] = np.argsort(-np.asarray(batch.seq_lens), kind="stable")
@@ -96,6 +106,7 @@ def pack(batch: StepBatch, layout: Layout, host: torch.Tensor) -> None:
         tables[i * W:i * W + len(t)] = t
     cu_q = batch.cu_seqlens_q
     arr["last"][:len(batch.sample_rows)] = [cu_q[b + 1] - 1 for b in batch.sample_rows]
+    arr["last"][len(batch.sample_rows):] = 0  # a graph's padded rows gather row 0 (valid, unused)
     arr["sample_seqs"][:len(batch.sample_rows)] = batch.sample_rows
     sb = batch.sampling
     arr["steps"][:S] = sb.steps
@@ -104,7 +115,7 @@ def pack(batch: StepBatch, layout: Layout, host: torch.Tensor) -> None:
     arr["temps"][:S] = sb.temperatures
     arr["top_ps"][:S] = sb.top_ps
     arr["min_ps"][:S] = sb.min_ps
-    if sb.banned:
+    if sb.banned and layout.NB == len(sb.banned):  # (a graph's fixed layout has none: see ModelRunner)
         arr["banned_rows"][:] = [r for r, _ in sb.banned]
         arr["banned_tokens"][:] = [t for _, t in sb.banned]
 
