@@ -24,6 +24,9 @@ _HELP = {
     "seed": "engine seed for unseeded sampling",
     "attention_backend": "'auto', 'torch' or 'triton'",
     "async_scheduling": "schedule step N+1 while step N runs (default: on with CUDA)",
+    "scheduling_policy": "fcfs: prefill as early as the token budget allows; balanced: spread the prefill of a "
+                         "batch known up front over the run (see engine/scheduler.py); auto (default): balanced "
+                         "from 12 GiB of weights per GPU, else fcfs (the server defaults to fcfs)",
     "tokenizer": "tokenizer directory (default: the model's)",
 }
 

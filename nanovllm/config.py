@@ -38,6 +38,7 @@ class EngineArgs:
     seed: int = 0
     attention_backend: str = "auto"
     async_scheduling: bool | None = None
+    scheduling_policy: str = "auto"
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> EngineArgs:
@@ -87,6 +88,21 @@ class EngineArgs:
              "'auto', 'torch' or 'triton'")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise TypeError(f"async_scheduling must be a bool or None, got {self.async_scheduling!r}")
+        need("scheduling_policy", self.scheduling_policy in ("auto", "fcfs", "balanced"),
+             "'auto', 'fcfs' or 'balanced'")
+
+
+# scheduling_policy="auto" picks "balanced" from this many bytes of weights per GPU. Measured on an H200
+# (benchmarks/RESULTS.md run 17): Qwen3-8B at TP=1 (16.4 GB per GPU) +3.5-4.5%, at TP=2 (8.2 GB per GPU) -2%,
+# Qwen3-0.6B (1.2 GB) -15%.
+BALANCED_MIN_WEIGHT_BYTES = 12 << 30
+
+
+def auto_scheduling_policy(model: ModelConfig, dtype: torch.dtype, tensor_parallel_size: int,
+                           device: torch.device) -> str:
+    """What scheduling_policy="auto" means for this model and device (see BALANCED_MIN_WEIGHT_BYTES)."""
+    per_gpu = model.matmul_params() * torch.empty(0, dtype=dtype).element_size() / tensor_parallel_size
+    return "balanced" if device.type == "cuda" and per_gpu >= BALANCED_MIN_WEIGHT_BYTES else "fcfs"
 
 
 @dataclass(frozen=True)
@@ -111,6 +127,14 @@ class ModelConfig:
     torch_dtype: str | None
     eos_token_ids: tuple[int, ...]
     raw: dict = field(repr=False, compare=False, default_factory=dict)
+
+    def matmul_params(self) -> int:
+        """Weights every token is multiplied with: the decoder's projections and the LM head (not the embedding
+        table, which is only indexed). A decode step reads them all once."""
+        attn = self.hidden_size * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim \
+            + self.num_heads * self.head_dim * self.hidden_size
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        return self.num_layers * (attn + mlp) + self.vocab_size * self.hidden_size
 
     @classmethod
     def from_dir(cls, model_dir: str) -> ModelConfig:
@@ -182,6 +206,7 @@ class EngineConfig:
     block_size: int
     attention_backend: str
     async_scheduling: bool
+    scheduling_policy: str
 
     @classmethod
     def resolve(cls, args: EngineArgs) -> EngineConfig:
@@ -235,7 +260,13 @@ class EngineConfig:
         async_sched = args.async_scheduling
         if async_sched is None:
             async_sched = device.type == "cuda"
+        policy = args.scheduling_policy
+        if policy == "auto":
+            # balanced pays where a decode step is bound by reading the weights (prefill rows ride along in those
+            # steps), i.e. a large model per GPU; with less per GPU the per-step costs it adds win. The server
+            # asks for fcfs (time to first token).
+            policy = auto_scheduling_policy(mcfg, dtype, args.tensor_parallel_size, device)
         return cls(args=args, model=mcfg, model_dir=model_dir, device=device, dtype=dtype,
                    max_model_len=max_model_len, max_num_batched_tokens=max_batched,
                    max_num_seqs=max_num_seqs, block_size=args.kvcache_block_size, attention_backend=backend,
-                   async_scheduling=async_sched)
+                   async_scheduling=async_sched, scheduling_policy=policy)

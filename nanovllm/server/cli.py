@@ -35,6 +35,14 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def server_engine_args(ns: argparse.Namespace):
+    """The engine arguments of `nanovllm serve`: the flags given, with the fcfs scheduling policy unless one is
+    asked for (requests arrive over time and each waits for its first token: prefill as early as possible)."""
+    from nanovllm.cli import engine_kwargs
+    from nanovllm.config import EngineArgs
+    return EngineArgs.from_kwargs(ns.model, **{"scheduling_policy": "fcfs", **engine_kwargs(ns)})
+
+
 def serve_command(ns: argparse.Namespace) -> int:
     try:
         import fastapi  # noqa: F401
@@ -42,14 +50,12 @@ def serve_command(ns: argparse.Namespace) -> int:
     except ImportError as e:
         print(f"nanovllm serve: {INSTALL_HINT} (missing: {e.name})", file=sys.stderr)
         return 1
-    from nanovllm.cli import engine_kwargs
-    from nanovllm.config import EngineArgs
     from nanovllm.engine.llm_engine import LLMEngine
     from nanovllm.server.api import build_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     t0 = time.perf_counter()
-    engine = LLMEngine(EngineArgs.from_kwargs(ns.model, **engine_kwargs(ns)))
+    engine = LLMEngine(server_engine_args(ns))
     print(f"[nanovllm] engine ready in {time.perf_counter() - t0:.1f}s (device={engine.config.device}, "
           f"dtype={engine.config.dtype}, max_model_len={engine.config.max_model_len}, "
           f"kv blocks={engine.block_manager.num_blocks})", file=sys.stderr)
