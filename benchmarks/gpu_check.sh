@@ -4,7 +4,7 @@
 #        gemm gemmlt allreduce tp_parity bench8tp2nccl bench8tp2twoshot sweep bench06best layout
 #        bench8tp2notrim bench8notrim profile8tp2 order bench8tp2noorder bench8noorder bench8lt bench8chunk16k
 #        gemmsweep parity_trained_lt kernel_tests_mm bench8noplan profile8gaps bench8tp2noplan bench06chunk16k bench8tp2chunk16k bench06fresh
-#        bench06noplan bench06noplanfresh
+#        bench06noplan bench06noplanfresh bench8bal bench06bal bench8tp2bal policy_check policy_check_tp2 bench8ov (OVERLAP=0|1) bench8fcfs bench8tp2fcfs prof8bal (MIXED_STEP=32|64|128)
 # (default: env kernels parity bench06 profile06 bench8). online06 needs fastapi/uvicorn: carry .whl and
 # start the command with the wheel install from the device README.
 # Logs go to $OUT (or ./gpu_out); each step has its own time limit and a failure doesn't stop the rest.
@@ -53,6 +53,15 @@ for s in $steps; do
     allreduce) TAIL=40 run allreduce 200 python3 benchmarks/comm_gemm_check.py allreduce ;;
     profile06) TAIL=60 run profile06 240 python3 benchmarks/profile_step.py --model benchmarks/models/qwen3-0.6b --load-format dummy ;;
     bench8) TAIL=40 run bench8 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-}" --step-log "$OUT/steps8.json" --gpu-idle ;;
+    policy_check) run policy_check 300 python3 benchmarks/policy_check.py ;;
+    policy_check_tp2) run policy_check_tp2 300 python3 benchmarks/policy_check.py --tensor-parallel-size 2 ;;
+    prof8bal) TAIL=60 NANOVLLM_PROFILE_STEPS="$OUT/p8bal${MIXED_STEP:-32}-150:150:2:prefill,$OUT/p8bal${MIXED_STEP:-32}-${PROF_AT:-750}:${PROF_AT:-750}:2:prefill" NANOVLLM_MIXED_GRAPH_STEP=${MIXED_STEP:-32} run prof8bal${MIXED_STEP:-32} 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --scheduling-policy balanced --json "$OUT/bench.jsonl" --label "${LABEL:-} balanced, mixed graphs every ${MIXED_STEP:-32} rows, profiled" --step-log "$OUT/steps8bal${MIXED_STEP:-32}.json" ;;
+    bench8bal) TAIL=40 NANOVLLM_MIXED_GRAPH_STEP=${MIXED_STEP:-32} run bench8bal${MIXED_STEP:-32} 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --scheduling-policy balanced --json "$OUT/bench.jsonl" --label "${LABEL:-} balanced, mixed graphs every ${MIXED_STEP:-32} rows" --step-log "$OUT/steps8bal${MIXED_STEP:-32}.json" --gpu-idle ;;
+    bench06bal) TAIL=40 run bench06bal 300 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-0.6b --load-format dummy --scheduling-policy balanced --json "$OUT/bench.jsonl" --label "${LABEL:-} balanced" --step-log "$OUT/steps06bal.json" --gpu-idle ;;
+    bench8tp2bal) TAIL=40 run bench8tp2bal 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --tensor-parallel-size 2 --scheduling-policy balanced --json "$OUT/bench.jsonl" --label "${LABEL:-} tp2 balanced" --step-log "$OUT/steps8tp2bal.json" --gpu-idle ;;
+    bench8ov) TAIL=40 NANOVLLM_MIXED_OVERLAP=${OVERLAP:-1} run bench8ov${OVERLAP:-1} 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-} mixed overlap ${OVERLAP:-1}" --step-log "$OUT/steps8ov${OVERLAP:-1}.json" ;;
+    bench8fcfs) TAIL=40 run bench8fcfs 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --scheduling-policy fcfs --json "$OUT/bench.jsonl" --label "${LABEL:-} fcfs" --step-log "$OUT/steps8fcfs.json" --gpu-idle ;;
+    bench8tp2fcfs) TAIL=40 run bench8tp2fcfs 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --tensor-parallel-size 2 --scheduling-policy fcfs --json "$OUT/bench.jsonl" --label "${LABEL:-} tp2 fcfs" --step-log "$OUT/steps8tp2fcfs.json" --gpu-idle ;;
     bench8tp2) TAIL=40 run bench8tp2 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --tensor-parallel-size 2 --json "$OUT/bench.jsonl" --label "${LABEL:-} tp2" --step-log "$OUT/steps8tp2.json" --gpu-idle ;;
     bench8tp2notrim) TAIL=40 NANOVLLM_TRIM_LAST_LAYER=0 run bench8tp2notrim 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --tensor-parallel-size 2 --json "$OUT/bench.jsonl" --label "${LABEL:-} tp2 no trim" --step-log "$OUT/steps8tp2notrim.json" ;;
     bench8lt) TAIL=40 NANOVLLM_BLAS=cublaslt run bench8lt 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-} cublaslt" --step-log "$OUT/steps8lt.json" ;;
