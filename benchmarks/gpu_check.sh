@@ -4,7 +4,7 @@
 #        gemm gemmlt allreduce tp_parity bench8tp2nccl bench8tp2twoshot sweep bench06best layout
 #        bench8tp2notrim bench8notrim profile8tp2 order bench8tp2noorder bench8noorder bench8lt bench8chunk16k
 #        gemmsweep parity_trained_lt kernel_tests_mm bench8noplan profile8gaps bench8tp2noplan bench06chunk16k bench8tp2chunk16k bench06fresh
-#        bench06noplan bench06noplanfresh bench8bal bench06bal bench8tp2bal policy_check policy_check_tp2 bench8ov (OVERLAP=0|1) bench8fcfs bench8tp2fcfs prof8bal (MIXED_STEP=32|64|128)
+#        bench06noplan bench06noplanfresh bench8bal bench06bal bench8tp2bal policy_check policy_check_tp2 bench8ov (OVERLAP=0|1) bench8pre (PREFILL_ATTN=BM,BN,W,S) bench8fcfs bench8tp2fcfs prof8bal (MIXED_STEP=32|64|128)
 # (default: env kernels parity bench06 profile06 bench8). online06 needs fastapi/uvicorn: carry .whl and
 # start the command with the wheel install from the device README.
 # Logs go to $OUT (or ./gpu_out); each step has its own time limit and a failure doesn't stop the rest.
@@ -60,6 +60,7 @@ for s in $steps; do
     bench06bal) TAIL=40 run bench06bal 300 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-0.6b --load-format dummy --scheduling-policy balanced --json "$OUT/bench.jsonl" --label "${LABEL:-} balanced" --step-log "$OUT/steps06bal.json" --gpu-idle ;;
     bench8tp2bal) TAIL=40 run bench8tp2bal 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --tensor-parallel-size 2 --scheduling-policy balanced --json "$OUT/bench.jsonl" --label "${LABEL:-} tp2 balanced" --step-log "$OUT/steps8tp2bal.json" --gpu-idle ;;
     bench8ov) TAIL=40 NANOVLLM_MIXED_OVERLAP=${OVERLAP:-1} run bench8ov${OVERLAP:-1} 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-} mixed overlap ${OVERLAP:-1}" --step-log "$OUT/steps8ov${OVERLAP:-1}.json" ;;
+    bench8pre) TAIL=40 NANOVLLM_PREFILL_ATTN=${PREFILL_ATTN:-32,128,4,2} run bench8pre-${PREFILL_ATTN:-32,128,4,2} 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-} varlen tiles ${PREFILL_ATTN:-32,128,4,2} for chunks <= 512" --step-log "$OUT/steps8pre.json" ;;
     bench8fcfs) TAIL=40 run bench8fcfs 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --scheduling-policy fcfs --json "$OUT/bench.jsonl" --label "${LABEL:-} fcfs" --step-log "$OUT/steps8fcfs.json" --gpu-idle ;;
     bench8tp2fcfs) TAIL=40 run bench8tp2fcfs 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --tensor-parallel-size 2 --scheduling-policy fcfs --json "$OUT/bench.jsonl" --label "${LABEL:-} tp2 fcfs" --step-log "$OUT/steps8tp2fcfs.json" --gpu-idle ;;
     bench8tp2) TAIL=40 run bench8tp2 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --tensor-parallel-size 2 --json "$OUT/bench.jsonl" --label "${LABEL:-} tp2" --step-log "$OUT/steps8tp2.json" --gpu-idle ;;

@@ -21,11 +21,12 @@ def workload(n=48, seed=0):
     return prompts, [rng.randint(10, 200) for _ in range(n)]
 
 
-def simulate(policy, prompts, max_tokens, budget=2048, step_sizes=SIZES):
-    """Run the scheduler to the end; return each step's (sequences, tokens) and the admission order."""
+def simulate(policy, prompts, max_tokens, budget=2048, step_sizes=SIZES, stop_ids=frozenset()):
+    """Run the scheduler to the end; return each step's (sequences, tokens) and the admission order. The sampled
+    token is never one of `stop_ids` (which only make the lengths unknown to the scheduler)."""
     sched = Scheduler(BlockManager(4096, 16, True), 256, budget, policy, step_sizes=step_sizes)
     for i, (p, m) in enumerate(zip(prompts, max_tokens)):
-        sched.add(Sequence(i, str(i), p, SamplingParams(max_tokens=m, ignore_eos=True), m, frozenset(), 0))
+        sched.add(Sequence(i, str(i), p, SamplingParams(max_tokens=m, ignore_eos=True), m, stop_ids, 0))
     steps, admitted = [], []
     while sched.has_unfinished():
         out = sched.schedule()
@@ -65,6 +66,16 @@ def test_balanced_spreads_prefill_and_fills_step_sizes():
     tokens = [sum(n for _, n in st) for st in steps[1:]]
     prefilling = [t for t, st in zip(tokens, steps[1:]) if any(n > 1 for _, n in st)]
     assert sum(t in sizes for t in prefilling) >= 0.8 * len(prefilling)
+
+
+def test_balanced_holds_back_only_requests_of_known_length():
+    """A request that may stop early (EOS or stop ids here) is scheduled exactly as under fcfs."""
+    prompts, max_tokens = workload()
+    steps, admitted = simulate("balanced", prompts, max_tokens, stop_ids=frozenset({999}))
+    fcfs_steps, fcfs_admitted = simulate("fcfs", prompts, max_tokens, stop_ids=frozenset({999}))
+    assert admitted == fcfs_admitted == list(range(len(prompts)))
+    as_ids = lambda run: [[(s.seq_id, n) for s, n in st] for st in run]  # noqa: E731
+    assert as_ids(steps) == as_ids(fcfs_steps)
 
 
 def test_one_token_sequences_come_first():

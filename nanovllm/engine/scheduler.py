@@ -25,8 +25,8 @@ Policies (what decides how much prefill joins a step):
   ``max_tokens`` still to compute, steps left is the longest ``max_tokens`` still to generate (no schedule can
   finish sooner). Waiting requests are admitted longest ``max_tokens`` first, and one whose ``max_tokens`` is
   not shorter than what the running requests still need is admitted at once with a full chunk (waiting would
-  lengthen the run). ``max_tokens`` is an upper bound when a request can stop early; the policy then
-  under-admits a little and the next steps' targets correct it.
+  lengthen the run). Only requests whose length is known are held back: one that can stop early (EOS, stop
+  ids or strings), for which ``max_tokens`` is only a bound, is admitted as under fcfs.
 
 With async scheduling the step after this one is scheduled before this one's tokens are read back: each
 sampling sequence gets a PLACEHOLDER token (its value stays on the device and feeds the next step's input
@@ -111,8 +111,10 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         balanced = self.policy == "balanced"
         if balanced and self._unsorted:
-            # preempted sequences stay in front (they have waited longest), then longest max_tokens first
-            self.waiting = deque(sorted(self.waiting, key=lambda s: (s.num_preemptions == 0, -s.max_tokens)))
+            # preempted sequences stay in front (they have waited longest), then those of unknown length (never
+            # held back), then longest max_tokens first
+            self.waiting = deque(sorted(self.waiting, key=lambda s: (s.num_preemptions == 0, s.fixed_length,
+                                                                     -s.max_tokens if s.fixed_length else 0)))
         self._unsorted = False
         # tokens of prompt (or recomputation) work this step may take; decode tokens never wait for it
         prefill_budget, horizon = self._prefill_target() if balanced else (budget, 0)
@@ -203,8 +205,10 @@ class Scheduler:
 
     def _urgent(self, seq: Sequence, horizon: int) -> bool:
         """Balanced policy: holding back this sequence's prefill would lengthen the run (it needs at least as
-        many steps as the running sequences still do). Under fcfs nothing is held back anyway."""
-        return self.policy != "balanced" or seq.max_tokens - seq.num_output_tokens >= horizon
+        many steps as the running sequences still do), or its length is not known. Under fcfs nothing is held
+        back anyway."""
+        return (self.policy != "balanced" or not seq.fixed_length
+                or seq.max_tokens - seq.num_output_tokens >= horizon)
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.release(seq)

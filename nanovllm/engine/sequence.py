@@ -74,6 +74,11 @@ class Sequence:
         return self.status == SequenceStatus.FINISHED
 
     @property
+    def fixed_length(self) -> bool:
+        """It generates exactly max_tokens: nothing can stop it sooner (no EOS or stop ids, no stop strings)."""
+        return not self.stop_ids and not self.params.stop_strings
+
+    @property
     def awaiting_last_token(self) -> bool:
         """Its final token is in flight: nothing more to compute, it only waits to be finished."""
         return self.num_output_tokens >= self.max_tokens

@@ -323,6 +323,12 @@ _PREFILL_BLOCK_B = 128  # sequences looked up per step of the tile -> sequence s
 def _prefill_config(D: int, G_PAD: int, max_seqlen_q: int, dtype=torch.bfloat16):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages): heuristics for Hopper (wgmma for BLOCK_M >= 64), checked to
     compile for sm_90 without register spills in half precision, but not tuned on hardware."""
+    env = os.environ.get("NANOVLLM_PREFILL_ATTN")  # "BLOCK_M,BLOCK_N,WARPS,STAGES" for chunks <= 512 (A/B runs)
+    if env and dtype != torch.float32 and 32 < max_seqlen_q * G_PAD and max_seqlen_q <= 512:
+        f = [int(x) for x in env.split(",")]
+        if len(f) != 4:
+            raise ValueError(f"NANOVLLM_PREFILL_ATTN must be 'BLOCK_M,BLOCK_N,WARPS,STAGES', got {env!r}")
+        return max(f[0], G_PAD), f[1], f[2], f[3]
     if dtype == torch.float32:  # exact fp32 dots (FMA, not tensor cores): keep tiles small; a debug path
         bm_max, block_n = 64, 32
     elif D <= 128:

@@ -64,7 +64,8 @@ def build(fn, types: dict, consts: dict, **options) -> None:
 
 def check(dt: str) -> None:
     dtype = DTYPES[dt]
-    prec = attention._dot_precision(dtype)
+    from nanovllm.kernels._common import dot_precision
+    prec = dot_precision(dtype)
     print(f"== {dt} (triton {triton.__version__})")
     # (head_dim, GQA group, block_size, max_seqlen_q)
     for D, G, bs, mq in [(128, 4, 16, 512), (128, 8, 256, 1), (64, 1, 16, 2048), (128, 7, 32, 4),
@@ -80,10 +81,11 @@ def check(dt: str) -> None:
             build(attention._decode_kernel, {**ptrs, "PART_O": "*fp32", "PART_LSE": "*fp32", "SEQ_LENS": "*i32",
                                              "BT": "*i32", "qk_scale": "fp32"},
                   dict(G=G, BLOCK_G=max(16, g_pad), BLOCK_N=attention._decode_block_n(D, dtype), HEAD_DIM=D,
-                       BLOCK_SIZE=bs, NUM_SPLITS=splits, PREC=prec, UPCAST=False, HEADS_FIRST=splits == 1),
+                       BLOCK_SIZE=bs, NUM_SPLITS=splits, PREC=prec, UPCAST=False, HEADS_FIRST=splits == 1,
+                       USE_ORDER=splits == 1, SKIP_EMPTY=splits == 8),
                   num_warps=4, num_stages=2)
         build(attention._decode_reduce_kernel, {"PART_O": "*fp32", "PART_LSE": "*fp32", "Out": f"*{dt}"},
-              dict(NUM_SPLITS=8, SPLITS_PAD=8, HEAD_DIM=D), num_warps=4)
+              dict(NUM_SPLITS=8, SPLITS_PAD=8, HEAD_DIM=D, SKIP_EMPTY=True), num_warps=4)
     build(kvcache._store_kvcache_kernel, {"K": f"*{dt}", "V": f"*{dt}", "KC": f"*{dt}", "VC": f"*{dt}",
                                           "SLOTS": "*i64"},
           dict(BLOCK_SIZE=16, HEAD_DIM=128, D_PAD=128, BLOCK_H=8), num_warps=4)
