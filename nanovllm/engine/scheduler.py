@@ -181,9 +181,10 @@ class Scheduler:
 
         The step's rows are ``ceil(work / steps)``, rounded up to a step size: work is every unfinished token
         still to compute (prompts and ``max_tokens``), steps the longest ``max_tokens`` still to generate. The
-        running sequences' decode rows come out of those rows; the rest may go to prefill. (Admitting faster, so
-        that every waiting request also meets the latest start that keeps the run at `steps`, was measured to
-        leave a thinner tail of weight-bound steps and be slower: benchmarks/RESULTS.md run 17.)"""
+        running sequences' decode rows come out of those rows; the rest may go to prefill. (Also admitting fast
+        enough for every waiting request's latest start front-loads the prefill and leaves a thinner tail of
+        weight-bound steps: ~2% slower in benchmarks/schedule_sim.py, within machine-to-machine spread on the
+        GPU, benchmarks/RESULTS.md run 17; the simpler rule stays.)"""
         work = 0
         decode = 0
         horizon = 0  # steps the running sequences still need (their longest remaining max_tokens)

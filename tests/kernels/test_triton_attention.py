@@ -208,6 +208,20 @@ def test_decode_launch_override_checked(device, monkeypatch):
                                batch["block_tables"], 0.3)
 
 
+def test_prefill_tile_override(monkeypatch):
+    """NANOVLLM_PREFILL_ATTN (A/B runs) sets the tiles of half-precision launches for chunks of up to 512 tokens
+    only; a malformed value is a ValueError naming it."""
+    from nanovllm.kernels.attention import _prefill_config
+    cases = [(256, torch.bfloat16), (4096, torch.bfloat16), (256, torch.float32)]
+    default = [_prefill_config(128, 4, q, dt) for q, dt in cases]
+    monkeypatch.setenv("NANOVLLM_PREFILL_ATTN", "32,128,4,2")
+    assert [_prefill_config(128, 4, q, dt) for q, dt in cases] == [(32, 128, 4, 2), default[1], default[2]]
+    assert default[0] != (32, 128, 4, 2)
+    monkeypatch.setenv("NANOVLLM_PREFILL_ATTN", "32,128")
+    with pytest.raises(ValueError, match="NANOVLLM_PREFILL_ATTN"):
+        _prefill_config(128, 4, 256, torch.bfloat16)
+
+
 def test_decode_many_splits_and_workspace(device):
     # more splits than some sequences have tiles (empty splits), a caller-provided (oversized) workspace
     batch = make_batch(DECODE, 4, 2, 32, 16, torch.float32, device, seed=5, strided=True)
