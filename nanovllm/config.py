@@ -93,8 +93,8 @@ class EngineArgs:
 
 
 # scheduling_policy="auto" picks "balanced" from this many bytes of weights per GPU. Measured on an H200
-# (benchmarks/RESULTS.md run 17): Qwen3-8B at TP=1 (16.4 GB per GPU) +3.5-4.5%, at TP=2 (8.2 GB per GPU) -2%,
-# Qwen3-0.6B (1.2 GB) -15%.
+# (benchmarks/RESULTS.md run 17), balanced against fcfs: Qwen3-8B at TP=1 (16.4 GB per GPU) +3-5%, at TP=2
+# (8.2 GB per GPU) -2%, Qwen3-0.6B (1.2 GB) -16%.
 BALANCED_MIN_WEIGHT_BYTES = 12 << 30
 
 

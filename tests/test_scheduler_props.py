@@ -111,6 +111,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             if s.status != SequenceStatus.RUNNING:
                 assert s.block_table == []
 
+    @invariant()
+    def waiting_work_kept_up_to_date(self):
+        if not hasattr(self, "sched"):
+            return
+        assert self.sched._waiting_work == sum(s.num_prompt_tokens + s.max_tokens - s.num_computed_tokens
+                                               for s in self.sched.waiting)
+
     def teardown(self):
         if not hasattr(self, "bm"):
             return

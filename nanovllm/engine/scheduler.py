@@ -80,6 +80,7 @@ class Scheduler:
         self.policy = policy
         self.step_sizes = sorted(step_sizes)
         self.waiting: deque[Sequence] = deque()
+        self._waiting_work = 0  # balanced policy: tokens the waiting sequences will compute (prompt + max_tokens)
         self._unsorted = False  # requests were added since `waiting` was last put in the policy's order
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -88,6 +89,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        self._waiting_work += self._work(seq)
         self._unsorted = True
 
     def has_unfinished(self) -> bool:
@@ -99,6 +101,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
+            self._waiting_work -= self._work(seq)
         else:
             return
         self.bm.release(seq)
@@ -160,6 +163,7 @@ class Scheduler:
             if not self.bm.can_admit(hits, cached + n):
                 break
             self.waiting.popleft()
+            self._waiting_work -= self._work(seq)
             self.bm.admit(seq, hits, hashes)
             self.bm.grow(seq, cached + n)
             seq.status = SequenceStatus.RUNNING
@@ -194,15 +198,24 @@ class Scheduler:
             work += s.num_prompt_tokens + s.max_tokens - s.num_computed_tokens
             decode += s.num_tokens - s.num_computed_tokens == 1
             horizon = max(horizon, s.max_tokens - s.num_output_tokens)
+        # the waiting sequences: their work is kept up to date; the longest of them is the first of known length
+        # (sorted by max_tokens), or one of the few in front of it (preempted, or of unknown length)
+        work += self._waiting_work
         steps = horizon
         for s in self.waiting:
-            work += s.num_prompt_tokens + s.max_tokens - s.num_computed_tokens
             steps = max(steps, s.max_tokens - s.num_output_tokens)
+            if s.fixed_length and not s.num_preemptions:
+                break
         rows = max(math.ceil(work / max(steps, 1)), decode)
         i = bisect.bisect_left(self.step_sizes, rows)
         if i < len(self.step_sizes):
             rows = self.step_sizes[i]
         return rows - decode, horizon
+
+    @staticmethod
+    def _work(seq: Sequence) -> int:
+        """Tokens a sequence still computes: its prompt (again, after a preemption) and up to max_tokens."""
+        return seq.num_prompt_tokens + seq.max_tokens - seq.num_computed_tokens
 
     def _urgent(self, seq: Sequence, horizon: int) -> bool:
         """Balanced policy: holding back this sequence's prefill would lengthen the run (it needs at least as
@@ -218,6 +231,7 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+        self._waiting_work += self._work(seq)
 
     def on_step_done(self, out: SchedulerOutput) -> list[tuple[Sequence, int]]:
         """Advance computed counts once a step is launched and give every sampling sequence a PLACEHOLDER

@@ -325,10 +325,11 @@ def _prefill_config(D: int, G_PAD: int, max_seqlen_q: int, dtype=torch.bfloat16)
     compile for sm_90 without register spills in half precision, but not tuned on hardware."""
     env = os.environ.get("NANOVLLM_PREFILL_ATTN")  # "BLOCK_M,BLOCK_N,WARPS,STAGES" for chunks <= 512 (A/B runs)
     if env and dtype != torch.float32 and 32 < max_seqlen_q * G_PAD and max_seqlen_q <= 512:
-        f = [int(x) for x in env.split(",")]
-        if len(f) != 4:
+        f = env.split(",")
+        if len(f) != 4 or not all(x.strip().isdigit() for x in f):
             raise ValueError(f"NANOVLLM_PREFILL_ATTN must be 'BLOCK_M,BLOCK_N,WARPS,STAGES', got {env!r}")
-        return max(f[0], G_PAD), f[1], f[2], f[3]
+        bm, bn, warps, stages = map(int, f)
+        return max(bm, G_PAD), bn, warps, stages
     if dtype == torch.float32:  # exact fp32 dots (FMA, not tensor cores): keep tiles small; a debug path
         bm_max, block_n = 64, 32
     elif D <= 128:

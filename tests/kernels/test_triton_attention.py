@@ -217,9 +217,10 @@ def test_prefill_tile_override(monkeypatch):
     monkeypatch.setenv("NANOVLLM_PREFILL_ATTN", "32,128,4,2")
     assert [_prefill_config(128, 4, q, dt) for q, dt in cases] == [(32, 128, 4, 2), default[1], default[2]]
     assert default[0] != (32, 128, 4, 2)
-    monkeypatch.setenv("NANOVLLM_PREFILL_ATTN", "32,128")
-    with pytest.raises(ValueError, match="NANOVLLM_PREFILL_ATTN"):
-        _prefill_config(128, 4, 256, torch.bfloat16)
+    for bad in ("32,128", "32,128,4,x"):
+        monkeypatch.setenv("NANOVLLM_PREFILL_ATTN", bad)
+        with pytest.raises(ValueError, match="NANOVLLM_PREFILL_ATTN"):
+            _prefill_config(128, 4, 256, torch.bfloat16)
 
 
 def test_decode_many_splits_and_workspace(device):
