@@ -398,8 +398,8 @@ class ModelRunner:
             self.timer.write()
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = None
-        self.graphs = {}
-        self.g_logits = {}
+        self.graphs, self.mixed_graphs = {}, {}  # (their memory pool goes with the last of them)
+        self.g_logits = self.m_logits = {}
         self.model = self.kv_cache = self.g_stage = self.g_cu = self.staging = self.sampled_buf = None
         self.attn_layers = []
         if self.device.type == "cuda":
