@@ -399,7 +399,7 @@ class ModelRunner:
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = None
         self.graphs, self.mixed_graphs = {}, {}  # (their memory pool goes with the last of them)
-        self.g_logits = self.m_logits = {}
+        self.g_logits, self.m_logits = {}, {}
         self.model = self.kv_cache = self.g_stage = self.g_cu = self.staging = self.sampled_buf = None
         self.attn_layers = []
         if self.device.type == "cuda":
