@@ -11,7 +11,7 @@ torch's default (``F.linear``) only when it is at least ``margin`` faster, so ne
 the choice (hence the output bits) is stable from run to run.
 
 The choice is stored on each layer (``LinearBase.gemm_plan``: rows -> backend) and used for exactly those row
-counts; every other product (prefill, eager steps) stays ``F.linear``.
+counts (the decode and mixed-step graph sizes the runner passes); every other product stays ``F.linear``.
 """
 from __future__ import annotations
 

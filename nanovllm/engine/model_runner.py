@@ -251,25 +251,25 @@ class ModelRunner:
         self.m_logits: dict[int, torch.Tensor] = {}
         pool = None
         # largest first, all in one memory pool; the staging bytes are zeros here (every sequence empty)
-        for graphs, logits, size, forward in (
-                *((self.mixed_graphs, self.m_logits, r, self._mixed_forward) for r in reversed(self.mixed_sizes)),
-                *((self.graphs, self.g_logits, bs, self._graph_forward) for bs in reversed(self.graph_sizes))):
-            layout = self.mixed_layouts[size] if forward == self._mixed_forward else self.graph_layouts[size]
-            v = layout.views(self.g_stage)
-            forward(size, v)  # warm up
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                logits[size] = forward(size, v)
-            pool = graph.pool()
-            graphs[size] = graph
-            torch.cuda.synchronize()
+        kinds = ((self.mixed_graphs, self.m_logits, self.mixed_layouts, self._mixed_forward, self.mixed_sizes),
+                 (self.graphs, self.g_logits, self.graph_layouts, self._graph_forward, self.graph_sizes))
+        for graphs, logits, layouts, forward, sizes in kinds:
+            for size in reversed(sizes):
+                v = layouts[size].views(self.g_stage)
+                forward(size, v)  # warm up
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool):
+                    logits[size] = forward(size, v)
+                pool = graph.pool()
+                graphs[size] = graph
+                torch.cuda.synchronize()
 
     def _graph_forward(self, bs: int, v: dict) -> torch.Tensor:
         meta = AttentionMetadata(v["slots"], self.g_cu[:bs + 1], v["seq_lens"], v["tables"].view(bs, self.graph_width),
                                  max_seqlen_q=1, is_decode=True,
                                  decode_order=v["order"] if self.decode_order else None)
-        ids = torch.where(v["src"] >= 0, self.sampled_buf[v["src"].clamp(min=0)], v["ids"])
-        return self.model.compute_logits(self.model(ids, v["pos"], meta), gather=self.tp.size == 1)  # (bs, V | shard)
+        return self.model.compute_logits(self.model(self._input_ids(v), v["pos"], meta),
+                                         gather=self.tp.size == 1)                    # (bs, V | shard)
 
     def _mixed_forward(self, rows: int, v: dict) -> torch.Tensor:
         """A mixed step (prefill chunks and decode rows) of up to `rows` tokens: the one-token sequences attend
@@ -279,9 +279,13 @@ class ModelRunner:
         meta = AttentionMetadata(v["slots"], v["cu"], v["seq_lens"], v["tables"].view(B, self.graph_width),
                                  max_seqlen_q=rows, is_decode=False, decode_lens=v["dec_lens"],
                                  prefill_cu=v["cu_pre"], decode_splits=self._decode_splits(B))
-        ids = torch.where(v["src"] >= 0, self.sampled_buf[v["src"].clamp(min=0)], v["ids"])
-        hidden = self.model(ids, v["pos"], meta)[v["last"]]
+        hidden = self.model(self._input_ids(v), v["pos"], meta)[v["last"]]
         return self.model.compute_logits(hidden, gather=self.tp.size == 1)          # (B, V | shard)
+
+    def _input_ids(self, v: dict) -> torch.Tensor:
+        """The step's token ids, with each placeholder (async scheduling) read from the previous step's sampled
+        ids on the device."""
+        return torch.where(v["src"] >= 0, self.sampled_buf[v["src"].clamp(min=0)], v["ids"])
 
     # --- one step ----------------------------------------------------------------------------------
     def _sampling_from(self, v: dict, sb: SamplingBatch) -> SamplingTensors:
@@ -340,10 +344,10 @@ class ModelRunner:
                                      max_seqlen_q=batch.max_seqlen_q, is_decode=batch.is_decode,
                                      decode_order=v["order"] if batch.is_decode and self.decode_order else None)
             if batch.num_decode and not batch.is_decode:
-                self._split_mixed(meta, v, batch.num_decode)
-            ids = v["ids"]
-            if batch.placeholder_pos:
-                ids = torch.where(v["src"] >= 0, self.sampled_buf[v["src"].clamp(min=0)], ids)
+                # the one-token sequences through the decode kernel, with one KV split: that variant is compiled
+                # at the mixed graphs' capture (a split count varying with the step would compile mid-run)
+                meta.decode_lens, meta.prefill_cu, meta.decode_splits = v["dec_lens"], v["cu_pre"], 1
+            ids = self._input_ids(v) if batch.placeholder_pos else v["ids"]
             if not S:
                 self.model(ids, v["pos"], meta)                                # fills the KV cache; nothing samples
                 return PendingStep(sampled=None, rank=self.tp.rank)
@@ -368,12 +372,6 @@ class ModelRunner:
         if self.tp.rank != 0:
             return PendingStep(sampled=out.token_ids, rank=self.tp.rank)
         return PendingStep.start_copy(out, self.device)
-
-    def _split_mixed(self, meta: AttentionMetadata, v: dict, num_decode: int) -> None:
-        """Let the backend send an eager mixed step's one-token sequences to its decode kernel. One KV split:
-        that variant is compiled at the mixed graphs' capture (a split count that varies with the step would
-        compile new variants mid-run), and the step's prefill chunks keep the GPU busy anyway."""
-        meta.decode_lens, meta.prefill_cu, meta.decode_splits = v["dec_lens"], v["cu_pre"], 1
 
     def _decode_splits(self, batch: int) -> int:
         """The decode kernel's KV splits for `batch` sequences, as a decode graph of that size uses them."""
