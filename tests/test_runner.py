@@ -43,3 +43,46 @@ def test_banned_tokens_without_room_in_the_staging_layout(tiny_ckpt):
     t = runner._sampling_from(v, sb)
     assert t.banned_rows.tolist() == [0, 1, 1] and t.banned_tokens.tolist() == [5, 9, 11]
     assert t.temperatures.tolist() == [0.0, 0.0]  # (the views themselves, zeros here)
+
+
+def test_mixed_graph_forward_matches_the_eager_step(tiny_ckpt):
+    """What a mixed-step CUDA graph runs (`_mixed_forward` over a padded layout: decode rows through the decode
+    kernel, the chunk through the varlen kernel, empty padding sequences), run here without the graph on the
+    CPU interpreter: the eager step's logits and greedy tokens."""
+    pytest.importorskip("triton")
+    import math
+
+    import torch
+
+    from nanovllm.engine.batch import build_step_batch
+    from nanovllm.engine.block_manager import BlockManager
+    from nanovllm.engine.scheduler import Scheduler
+    from nanovllm.engine.sequence import Sequence
+    from nanovllm.engine.step_inputs import Layout
+    from nanovllm.sampling_params import SamplingParams
+    llm = LLM(tiny_ckpt("qwen3"), device="cpu", dtype="float32", attention_backend="triton", kvcache_block_size=16,
+              max_num_batched_tokens=256, max_model_len=256)
+    runner = llm.engine.runner
+    sched = Scheduler(BlockManager(runner.num_kvcache_blocks, 16, False), 8, 256)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    seqs = [Sequence(i, str(i), list(range(3 + 7 * i, 40 + 9 * i)), greedy, 8, frozenset(), 0) for i in range(3)]
+    for s in seqs[:2]:
+        sched.add(s)
+    first = sched.schedule()
+    tokens = runner.execute(build_step_batch(first, 16)).token_ids
+    for (s, _), t in zip(sched.on_step_done(first), tokens):
+        s.token_ids[-1] = t
+    sched.add(seqs[2])
+    out = sched.schedule()                                   # two decode rows, then a 56-token chunk
+    assert out.num_new_tokens[:2] == [1, 1] and out.num_new_tokens[2] > 1
+    batch = build_step_batch(out, 16)
+    runner.graph_width = math.ceil(256 / 16)
+    runner.mixed_layouts = {128: Layout.make(128, 8, runner.graph_width, 8)}
+    v = runner.staging.upload(batch, runner.mixed_layouts[128])
+    logits = runner._mixed_forward(128, v)[:len(batch.sample_rows)]
+    eager = []
+    sampler = runner.sampler
+    runner.sampler = lambda lg, t: (eager.append(lg.clone()), sampler(lg, t))[1]  # the eager step's logits
+    tokens = runner.execute(batch).token_ids
+    torch.testing.assert_close(logits, eager[0], atol=1e-4, rtol=1e-4)
+    assert logits.argmax(-1).tolist() == tokens
