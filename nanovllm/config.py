@@ -88,9 +88,11 @@ class EngineArgs:
              "'auto', 'torch' or 'triton'")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise TypeError(f"async_scheduling must be a bool or None, got {self.async_scheduling!r}")
-        need("scheduling_policy", self.scheduling_policy in ("auto", "fcfs", "balanced"),
-             "'auto', 'fcfs' or 'balanced'")
+        need("scheduling_policy", self.scheduling_policy in ("auto", *SCHEDULING_POLICIES),
+             "'auto', " + " or ".join(map(repr, SCHEDULING_POLICIES)))
 
+
+SCHEDULING_POLICIES = ("fcfs", "balanced")  # see nanovllm.engine.scheduler
 
 # scheduling_policy="auto" picks "balanced" from this many bytes of weights per GPU. Measured on an H200
 # (benchmarks/RESULTS.md run 17), balanced against fcfs: Qwen3-8B at TP=1 (16.4 GB per GPU) +3-5%, at TP=2

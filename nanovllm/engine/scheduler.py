@@ -39,6 +39,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from nanovllm.config import SCHEDULING_POLICIES
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
@@ -62,9 +63,6 @@ class SchedulerOutput:
 
     def __bool__(self) -> bool:
         return bool(self.seqs)
-
-
-SCHEDULING_POLICIES = ("fcfs", "balanced")
 
 
 class Scheduler:
