@@ -141,3 +141,15 @@ def test_engine_policy_args(tiny_ckpt):
     assert server_engine_args(parser.parse_args(["serve", path])).scheduling_policy == "fcfs"
     ns = parser.parse_args(["serve", path, "--scheduling-policy", "balanced"])
     assert server_engine_args(ns).scheduling_policy == "balanced"
+
+
+@pytest.mark.parametrize("name,value", [("NANOVLLM_MIXED_GRAPH_STEP", "100"), ("NANOVLLM_MIXED_OVERLAP", "yes")])
+def test_mixed_step_switches_checked_on_every_device(tiny_ckpt, monkeypatch, name, value):
+    """The A/B switches of mixed steps are checked when the engine starts, also where they change nothing
+    (CPU): a typo is an error naming the variable, not a silently ignored setting."""
+    from nanovllm import LLM
+    if name == "NANOVLLM_MIXED_OVERLAP":
+        pytest.importorskip("triton")
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"{name} must be .*got '{value}'"):
+        LLM(tiny_ckpt("qwen3"), device="cpu", dtype="float32", attention_backend="triton")

@@ -411,11 +411,11 @@ def mixed_graph_sizes(config: EngineConfig) -> list[int]:
     128 up to 512 (and the token budget); 128 was faster than 64 and 32 (benchmarks/RESULTS.md run 17). Empty
     when CUDA graphs are off, or with the torch attention backend (its reference attention is not graph-safe for
     mixed steps). The balanced scheduler fills its steps to these sizes."""
-    if config.device.type != "cuda" or config.args.enforce_eager or config.attention_backend != "triton":
-        return []
-    step = os.environ.get("NANOVLLM_MIXED_GRAPH_STEP", "128")  # for A/B runs
+    step = os.environ.get("NANOVLLM_MIXED_GRAPH_STEP", "128")  # for A/B runs; checked on every device
     if step not in ("16", "32", "64", "128", "256"):
         raise ValueError(f"NANOVLLM_MIXED_GRAPH_STEP must be 16, 32, 64, 128 or 256, got {step!r}")
+    if config.device.type != "cuda" or config.args.enforce_eager or config.attention_backend != "triton":
+        return []
     return list(range(int(step), min(512, config.max_num_batched_tokens) + 1, int(step)))
 
 
