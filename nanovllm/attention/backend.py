@@ -10,6 +10,7 @@ host values fixed per captured CUDA graph, so a backend can run inside a graph w
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -33,10 +34,12 @@ class AttentionMetadata:
     # mixed steps (optional): the one-token sequences can go through a decode kernel and the rest through the
     # varlen kernel. `decode_lens` (B,) is each one-token sequence's length and 0 for the others; `prefill_cu`
     # (B + 1,) are query offsets in which the one-token sequences have no queries; `decode_splits` (host) the
-    # decode kernel's KV splits. Row b of a one-token sequence b is query row b: the scheduler puts them first.
+    # decode kernel's KV splits and `prefill_splits` the varlen kernel's. Row b of a one-token sequence b is query
+    # row b: the scheduler puts them first.
     decode_lens: torch.Tensor | None = None
     prefill_cu: torch.Tensor | None = None
     decode_splits: int = 1
+    prefill_splits: int = 1
 
 
 @dataclass
@@ -114,12 +117,9 @@ class TritonAttentionBackend(AttentionBackend):
         if side is not None:
             main = torch.cuda.current_stream(q.device)
             side.wait_stream(main)
-            with torch.cuda.stream(side):
-                self.k.paged_prefill_attention(q, k_cache, v_cache, meta.prefill_cu, meta.seq_lens,
-                                               meta.block_tables, scale, meta.max_seqlen_q, out=out)
-        else:
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             self.k.paged_prefill_attention(q, k_cache, v_cache, meta.prefill_cu, meta.seq_lens, meta.block_tables,
-                                           scale, meta.max_seqlen_q, out=out)
+                                           scale, meta.max_seqlen_q, out=out, num_splits=meta.prefill_splits)
         self.k.paged_decode_attention(q[:B], k_cache, v_cache, meta.decode_lens, meta.block_tables, scale,
                                       out=out[:B], num_splits=meta.decode_splits, skip_empty=True)
         if side is not None:

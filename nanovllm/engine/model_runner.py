@@ -83,6 +83,7 @@ class ModelRunner:
         self.graph_sizes: list[int] = []
         self.mixed_sizes = mixed_graph_sizes(config)
         self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.mixed_prefill_splits = mixed_prefill_splits()
         self.num_kvcache_blocks = self._allocate_kv_cache()  # (its warm-up steps run eagerly: no graphs yet)
         self.capture_seconds = self.gemm_plan_seconds = 0.0
         self.gemm_plan: dict = {}
@@ -278,7 +279,8 @@ class ModelRunner:
         B = self.mixed_layouts[rows].B
         meta = AttentionMetadata(v["slots"], v["cu"], v["seq_lens"], v["tables"].view(B, self.graph_width),
                                  max_seqlen_q=rows, is_decode=False, decode_lens=v["dec_lens"],
-                                 prefill_cu=v["cu_pre"], decode_splits=self._decode_splits(B))
+                                 prefill_cu=v["cu_pre"], decode_splits=self._decode_splits(B),
+                                 prefill_splits=self.mixed_prefill_splits)
         hidden = self.model(self._input_ids(v), v["pos"], meta)[v["last"]]
         return self.model.compute_logits(hidden, gather=self.tp.size == 1)          # (B, V | shard)
 
@@ -404,6 +406,16 @@ class ModelRunner:
             import gc
             gc.collect()
             torch.cuda.empty_cache()
+
+
+def mixed_prefill_splits() -> int:
+    """KV splits of the varlen kernel in mixed-step CUDA graphs. Their chunks are short (a few hundred tokens
+    over prefixes of up to a few thousand), so without splits a chunk is a few dozen programs, each walking its
+    whole prefix alone, next to the decode kernel. NANOVLLM_PREFILL_SPLITS overrides it (A/B runs)."""
+    value = os.environ.get("NANOVLLM_PREFILL_SPLITS", "1")
+    if value not in ("1", "2", "3", "4", "6", "8"):
+        raise ValueError(f"NANOVLLM_PREFILL_SPLITS must be 1, 2, 3, 4, 6 or 8, got {value!r}")
+    return int(value)
 
 
 def mixed_graph_sizes(config: EngineConfig) -> list[int]:

@@ -117,9 +117,9 @@ class TritonOps:
         return self._store_kvcache(key, value, k_cache, v_cache, slot_mapping)
 
     def paged_prefill_attention(self, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
-                                max_seqlen_q, out=None):
+                                max_seqlen_q, out=None, **kwargs):
         return self._prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q,
-                             out=out)
+                             out=out, **kwargs)
 
     def paged_decode_attention(self, q, k_cache, v_cache, seq_lens, block_tables, scale, out=None, **kwargs):
         return self._decode(q, k_cache, v_cache, seq_lens, block_tables, scale, out=out, **kwargs)

@@ -97,12 +97,12 @@ def _online_softmax_step(qk, v, m_i, l_i, acc, PREC: tl.constexpr, SOME_ROWS_EMP
 # 1) would compile new variants mid-run (seen on an H200: ~1 s stalls in the first steps of a benchmark)
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _prefill_kernel(
-    Q, K, V, Out, CU, SEQ_LENS, BT, qk_scale, num_seqs,
+    Q, K, V, Out, PART_O, PART_LSE, CU, SEQ_LENS, BT, qk_scale, num_seqs,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_B: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # Axis 0 enumerates query tiles of all sequences: sequence b owns tiles [start(b), start(b + 1)) with
     # start(b) = cu[b] // BLOCK_Q + b, which always covers its cdiv(q_len, BLOCK_Q) tiles (surplus tiles exit).
@@ -150,27 +150,44 @@ def _prefill_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
+        # NUM_SPLITS > 1: this program covers keys [lo, hi), its share (in whole tiles) of the tile's visible keys
+        lo = 0
+        hi = kv_end
+        if NUM_SPLITS > 1:
+            share = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            lo = tl.program_id(2) * share
+            hi = tl.minimum(lo + share, kv_end)
+
         # tiles strictly below the causal diagonal of every row: no masks at all
-        for n0 in range(0, full_end, BLOCK_N):
+        for n0 in range(lo, tl.minimum(full_end, hi), BLOCK_N):
             k, v = _kv_tile(K, V, bt_row, n0, offs_n, offs_d, kv_end, None, head_off, stride_kb, stride_ks,
                             BLOCK_SIZE, BLOCK_N, False, UPCAST)
             qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
             m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, PREC, False)
 
         # tiles crossing the diagonal: causal + length masks
-        for n0 in range(full_end, kv_end, BLOCK_N):
+        for n0 in range(tl.maximum(full_end, lo), hi, BLOCK_N):
             n = n0 + offs_n
-            n_ok = n < kv_end
-            k, v = _kv_tile(K, V, bt_row, n0, offs_n, offs_d, kv_end, n_ok, head_off, stride_kb, stride_ks,
+            n_ok = n < hi
+            k, v = _kv_tile(K, V, bt_row, n0, offs_n, offs_d, hi, n_ok, head_off, stride_kb, stride_ks,
                             BLOCK_SIZE, BLOCK_N, True, UPCAST)
             qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
             visible = (n[None, :] <= q_abs[:, None]) & n_ok[None, :]
             qk = tl.where(visible, qk, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, PREC, True)  # rows may see nothing yet
 
-        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]            # seq_len 0 -> zeros
-        tl.store(Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                 out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+        has = l_i > 0.0
+        out = acc / tl.where(has, l_i, 1.0)[:, None]                  # seq_len 0 -> zeros
+        if NUM_SPLITS == 1:
+            tl.store(Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                     out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+        else:
+            # workspace as the decode kernel's, with query rows for sequences: PART_O (T, H, NUM_SPLITS, D),
+            # PART_LSE (T, H, NUM_SPLITS); a split that sees no key of a row leaves lse = -inf there
+            idx = (tok * (tl.num_programs(1) * G) + head) * NUM_SPLITS + tl.program_id(2)
+            tl.store(PART_O + idx[:, None] * HEAD_DIM + offs_d[None, :], out, mask=row_ok[:, None])
+            lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+            tl.store(PART_LSE + idx, lse, mask=row_ok)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -245,12 +262,17 @@ def _decode_kernel(
         tl.store(PART_LSE + idx, lse, mask=g_ok)
 
 
-@triton.jit
-def _decode_reduce_kernel(PART_O, PART_LSE, Out, stride_ob, stride_oh,
+@triton.jit(do_not_specialize=["num_seqs"])
+def _decode_reduce_kernel(PART_O, PART_LSE, Out, stride_ob, stride_oh, CU, num_seqs,
                           NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          SKIP_EMPTY: tl.constexpr):
+                          SKIP_EMPTY: tl.constexpr, ROWS_FROM_CU: tl.constexpr):
+    # one program per (row, head); the rows are sequences (decode) or query rows (ROWS_FROM_CU: the varlen
+    # kernel's split path, where only rows cu[0] <= row < cu[num_seqs] belong to a sequence and are written)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    if ROWS_FROM_CU:
+        if (b < tl.load(CU).to(tl.int64)) | (b >= tl.load(CU + num_seqs).to(tl.int64)):
+            return
     H = tl.num_programs(1)
     offs_s = tl.arange(0, SPLITS_PAD)
     s_ok = offs_s < NUM_SPLITS
@@ -345,7 +367,8 @@ def _prefill_config(D: int, G_PAD: int, max_seqlen_q: int, dtype=torch.bfloat16)
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                            scale: float, max_seqlen_q: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                            scale: float, max_seqlen_q: int, out: torch.Tensor | None = None, *,
+                            num_splits: int = 1, workspace: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a flat batch of queries over the paged cache (same semantics as ``paged_attention_ref``).
 
     Args:
@@ -354,7 +377,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         cu_seqlens_q: (B + 1,) int query offsets; seq_lens: (B,) int; block_tables: (B, max_blocks) int, -1 pad.
         scale: softmax scale. max_seqlen_q: host int >= every q_len (only sizes the tiles; not read on device).
         out: optional (T, H, D) output buffer.
-    Rows of ``out`` not covered by ``cu_seqlens_q`` (beyond ``cu_seqlens_q[-1]``) are left untouched.
+        num_splits: programs per query tile, each over an equal share of the tile's keys, combined by a second
+            kernel (as in decode). For short chunks over long cached prefixes, whose few tiles would each walk the
+            whole prefix alone. Costs a float32 workspace of ``decode_workspace_numel(T, H, D, num_splits)``
+            elements (``workspace``, else allocated from shapes).
+    Rows of ``out`` outside ``cu_seqlens_q[0] .. cu_seqlens_q[-1]`` are left untouched.
     """
     T = q.shape[0] if q.dim() == 3 else -1
     out, seq_lens, H, Hkv, D, block_size, B = _check_common(
@@ -371,15 +398,34 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     G_PAD = next_pow2(G)
     BLOCK_M, BLOCK_N, warps, stages = _prefill_config(D, G_PAD, max(int(max_seqlen_q), 1), q.dtype)
     BLOCK_Q = BLOCK_M // G_PAD
-    grid = (T // BLOCK_Q + B, Hkv)
+    num_splits = int(num_splits)
+    if num_splits < 1:
+        raise ValueError(f"paged_prefill_attention: num_splits must be >= 1, got {num_splits}")
+    part_o = part_lse = out
+    if num_splits > 1:
+        need = decode_workspace_numel(T, H, D, num_splits)
+        if workspace is None:
+            workspace = torch.empty(need, dtype=torch.float32, device=q.device)
+        elif workspace.dtype != torch.float32 or workspace.numel() < need or not workspace.is_contiguous() \
+                or workspace.device != q.device:
+            raise ValueError(f"paged_prefill_attention: workspace must be a contiguous float32 tensor on {q.device} "
+                             f"with >= {need} elements, got {workspace.dtype} with {workspace.numel()} on "
+                             f"{workspace.device}")
+        workspace = workspace.view(-1)
+        part_o, part_lse = workspace[: T * H * num_splits * D], workspace[T * H * num_splits * D: need]
+    grid = (T // BLOCK_Q + B, Hkv, num_splits)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, float(scale) * _LOG2E, B,
+        q, k_cache, v_cache, out, part_o, part_lse, cu_seqlens_q, seq_lens, block_tables, float(scale) * _LOG2E, B,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         G=G, G_PAD=G_PAD, BLOCK_Q=BLOCK_Q, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D,
-        BLOCK_SIZE=block_size, BLOCK_B=_PREFILL_BLOCK_B, PREC=dot_precision(q.dtype),
+        BLOCK_SIZE=block_size, BLOCK_B=_PREFILL_BLOCK_B, NUM_SPLITS=num_splits, PREC=dot_precision(q.dtype),
         UPCAST=upcast_dots(q.dtype), num_warps=warps, num_stages=stages,
     )
+    if num_splits > 1:
+        _decode_reduce_kernel[(T, H)](part_o, part_lse, out, out.stride(0), out.stride(1), cu_seqlens_q, B,
+                                      NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits), HEAD_DIM=D,
+                                      SKIP_EMPTY=False, ROWS_FROM_CU=True, num_warps=4)
     return out
 
 
@@ -492,7 +538,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     part_lse = workspace[B * H * num_splits * D: need]
     _decode_kernel[grid](q, k_cache, v_cache, out, part_o, part_lse, seq_lens, block_tables,
                          seq_lens if order is None else order, qk_scale, *strides, **common)
-    _decode_reduce_kernel[(B, H)](part_o, part_lse, out, out.stride(0), out.stride(1),
+    _decode_reduce_kernel[(B, H)](part_o, part_lse, out, out.stride(0), out.stride(1), seq_lens, 0,
                                   NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits), HEAD_DIM=D,
-                                  SKIP_EMPTY=bool(skip_empty), num_warps=4)
+                                  SKIP_EMPTY=bool(skip_empty), ROWS_FROM_CU=False, num_warps=4)
     return out

@@ -139,6 +139,44 @@ def test_prefill_leading_rows_without_sequence(device):
     torch.testing.assert_close(out[70:], ref[70:], **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("num_splits", [2, 3, 5])
+@pytest.mark.parametrize("block_size,H,Hkv,D,dtype", [
+    (16, 8, 2, 32, torch.float32),    # GQA 4, per-key block lookup
+    (64, 6, 2, 16, torch.float32),    # GQA 3 (padded heads), one block per KV tile
+    (32, 4, 1, 64, torch.bfloat16),
+])
+def test_prefill_kv_splits_match_reference(device, num_splits, block_size, H, Hkv, D, dtype):
+    """KV-split varlen path (partials + reduce): short chunks over long prefixes, a fresh prompt whose first
+    tiles see fewer keys than there are splits, padding (seq_len 0), and leading rows that belong to no sequence
+    (a mixed step's decode rows): those stay untouched, everything else matches the reference."""
+    specs = [(40, 1)] * 3 + [(300, 37), (96, 96), (0, 1), (133, 5), (70, 20)]
+    batch = make_batch(specs, H, Hkv, D, block_size, dtype, device, seed=num_splits + D)
+    ref = reference(batch, D ** -0.5)
+    cu = batch["cu_seqlens_q"].clone()
+    cu[:4] = 3                                             # the three one-token rows: no sequence's queries
+    out = torch.full_like(batch["q"], float("nan"))
+    ws = torch.full((decode_workspace_numel(out.shape[0], H, D, num_splits),), float("nan"), device=device)
+    res = paged_prefill_attention(batch["q"], batch["k_cache"], batch["v_cache"], cu, batch["seq_lens"],
+                                  batch["block_tables"], D ** -0.5, batch["max_seqlen_q"], out=out,
+                                  num_splits=num_splits, workspace=ws)
+    assert res is out
+    assert out[:3].isnan().all()
+    assert not out[3:].isnan().any()
+    torch.testing.assert_close(out[3:], ref[3:], **TOL[dtype])
+    pad = 3 + 37 + 96
+    assert (out[pad] == 0).all()  # seq_len 0 -> zeros
+    # the single-pass kernel agrees, and the split count is validated
+    one = run_prefill(dict(batch, cu_seqlens_q=cu), D ** -0.5)
+    torch.testing.assert_close(out[3:], one[3:], **TOL[dtype])
+    with pytest.raises(ValueError, match="num_splits"):
+        paged_prefill_attention(batch["q"], batch["k_cache"], batch["v_cache"], cu, batch["seq_lens"],
+                                batch["block_tables"], D ** -0.5, batch["max_seqlen_q"], num_splits=0)
+    with pytest.raises(ValueError, match="workspace"):
+        paged_prefill_attention(batch["q"], batch["k_cache"], batch["v_cache"], cu, batch["seq_lens"],
+                                batch["block_tables"], D ** -0.5, batch["max_seqlen_q"], num_splits=2,
+                                workspace=ws[:10])
+
+
 def test_prefill_defaults_allocate_output(device):
     batch = make_batch([(20, 5)], 2, 1, 16, 16, torch.float32, device, seed=11)
     out = paged_prefill_attention(batch["q"], batch["k_cache"], batch["v_cache"], batch["cu_seqlens_q"],
