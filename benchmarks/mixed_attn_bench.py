@@ -9,9 +9,10 @@ balanced runs' profiles (benchmarks/RESULTS.md run 17): early in the run (78 dec
 256 rows) and mid-run (206 decode rows + 178 chunk tokens in 384 rows).
 
 Each variant runs over 8 layers' own caches (so nothing stays in L2 between layers) inside a CUDA graph, as the
-engine does, and prints microseconds per layer: the decode kernel alone, the varlen kernel alone with 1..4 KV
-splits, the two one after the other, and the two side by side on two streams (the backend's way). Every
-variant's output is checked against the float32 torch reference.
+engine does, and prints microseconds per layer: the decode kernel alone, the varlen kernel alone (one program
+per possible tile, or the persistent grid; 1..4 KV splits), the two one after the other, and the two side by
+side on two streams (the backend's way; "ovd": the decode kernel on the side stream). Every variant's output is
+checked against the float32 torch reference.
 """
 from __future__ import annotations
 
@@ -67,19 +68,20 @@ def make_case(dec_lens, chunks, rows, capacity, seed, dev="cuda"):
     return case
 
 
-def variant(case, kind, splits, side):
+def variant(case, kind, splits, side, persistent=False, dec_splits=1):
     scale = D ** -0.5
     rows, cap = case["rows"], case["dec_lens"].shape[0]
     out = torch.empty_like(case["q"])
 
     def pre(layer):
         paged_prefill_attention(case["q"], case["ks"][layer], case["vs"][layer], case["cu_pre"], case["seq_lens"],
-                                case["tables"], scale, rows, out=out, num_splits=splits)
+                                case["tables"], scale, rows, out=out, num_splits=splits,
+                                persistent=persistent)
 
     def dec(layer):
         # as the backend: the graph's every sequence, the non-decode ones with length 0 (left untouched)
         paged_decode_attention(case["q"][:cap], case["ks"][layer], case["vs"][layer], case["dec_lens"],
-                               case["tables"], scale, out=out[:cap], num_splits=1, skip_empty=True)
+                               case["tables"], scale, out=out[:cap], num_splits=dec_splits, skip_empty=True)
 
     def run():
         for layer in range(LAYERS):
@@ -133,21 +135,25 @@ def main():
     side = torch.cuda.Stream()
     for name, case in cases.items():
         print(f"== {name}  (decode KV {case['kv_bytes'] / 1e6:.0f} MB per layer)")
-        for kind, splits in [("dec", 1), ("pre", 1), ("pre", 2), ("pre", 3), ("pre", 4), ("seq", 1), ("seq", 2),
-                             ("seq", 4), ("ov", 1), ("ov", 2), ("ov", 3), ("ov", 4), ("ovd", 1), ("ovd", 2),
-                             ("ovd", 4)]:
-            run, out = variant(case, kind, splits, side)
+        variants = [("dec", 1, False, 1), ("dec", 1, False, 2), ("pre", 1, False, 1), ("pre", 2, False, 1),
+                    ("pre", 1, True, 1), ("pre", 2, True, 1), ("pre", 3, True, 1), ("pre", 4, True, 1),
+                    ("seq", 1, False, 1), ("seq", 1, True, 1), ("seq", 2, True, 1),
+                    ("ov", 1, False, 1), ("ov", 1, True, 1), ("ov", 2, True, 1), ("ov", 4, True, 1),
+                    ("ov", 1, True, 2), ("ov", 2, True, 2), ("ovd", 1, True, 1), ("ovd", 2, True, 1)]
+        for kind, splits, persistent, dec_splits in variants:
+            run, out = variant(case, kind, splits, side, persistent, dec_splits)
             us = time_graph(run)
             used, Bd = case["used"], case["Bd"]
             rows = slice(0, Bd) if kind == "dec" else slice(Bd, used) if kind == "pre" else slice(0, used)
             # check: the same variant eagerly over layer 0's cache (the reference's)
             run_l0, out0 = variant(dict(case, ks=case["ks"][:1] * LAYERS, vs=case["vs"][:1] * LAYERS), kind, splits,
-                                   side)
+                                   side, persistent, dec_splits)
             run_l0()
             torch.cuda.synchronize()
             err = (out0[rows].float() - case["ref"][rows]).abs().max().item()
-            extra = f"  decode {case['kv_bytes'] / us / 1e3:.2f} TB/s" if kind == "dec" else ""
-            print(f"  {kind:4s} splits {splits}: {us:7.1f} us/layer  max err {err:.4f}{extra}")
+            extra = f"  decode {case['kv_bytes'] / us / 1e6:.2f} TB/s" if kind == "dec" else ""
+            print(f"  {kind:4s} varlen splits {splits} {'persistent' if persistent else 'tile grid '}, decode splits "
+                  f"{dec_splits}: {us:7.1f} us/layer  max err {err:.4f}{extra}")
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ class AttentionMetadata:
     prefill_cu: torch.Tensor | None = None
     decode_splits: int = 1
     prefill_splits: int = 1
+    prefill_persistent: bool = False  # host: the varlen kernel's fixed, looping grid (short chunks, padded batch)
 
 
 @dataclass
@@ -119,7 +120,8 @@ class TritonAttentionBackend(AttentionBackend):
             side.wait_stream(main)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             self.k.paged_prefill_attention(q, k_cache, v_cache, meta.prefill_cu, meta.seq_lens, meta.block_tables,
-                                           scale, meta.max_seqlen_q, out=out, num_splits=meta.prefill_splits)
+                                           scale, meta.max_seqlen_q, out=out, num_splits=meta.prefill_splits,
+                                           persistent=meta.prefill_persistent)
         self.k.paged_decode_attention(q[:B], k_cache, v_cache, meta.decode_lens, meta.block_tables, scale,
                                       out=out[:B], num_splits=meta.decode_splits, skip_empty=True)
         if side is not None:

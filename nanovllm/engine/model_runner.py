@@ -84,6 +84,9 @@ class ModelRunner:
         self.mixed_sizes = mixed_graph_sizes(config)
         self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.mixed_prefill_splits = mixed_prefill_splits()
+        # mixed graphs: the varlen kernel on a fixed grid looping over the chunks' tiles, not one program per
+        # possible tile of the graph's hundreds of sequences (NANOVLLM_PREFILL_PERSISTENT=0: the latter)
+        self.mixed_prefill_persistent = _env_switch("NANOVLLM_PREFILL_PERSISTENT")
         self.num_kvcache_blocks = self._allocate_kv_cache()  # (its warm-up steps run eagerly: no graphs yet)
         self.capture_seconds = self.gemm_plan_seconds = 0.0
         self.gemm_plan: dict = {}
@@ -280,7 +283,8 @@ class ModelRunner:
         meta = AttentionMetadata(v["slots"], v["cu"], v["seq_lens"], v["tables"].view(B, self.graph_width),
                                  max_seqlen_q=rows, is_decode=False, decode_lens=v["dec_lens"],
                                  prefill_cu=v["cu_pre"], decode_splits=self._decode_splits(B),
-                                 prefill_splits=self.mixed_prefill_splits)
+                                 prefill_splits=self.mixed_prefill_splits,
+                                 prefill_persistent=self.mixed_prefill_persistent)
         hidden = self.model(self._input_ids(v), v["pos"], meta)[v["last"]]
         return self.model.compute_logits(hidden, gather=self.tp.size == 1)          # (B, V | shard)
 

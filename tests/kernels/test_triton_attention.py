@@ -139,16 +139,19 @@ def test_prefill_leading_rows_without_sequence(device):
     torch.testing.assert_close(out[70:], ref[70:], **TOL[torch.float32])
 
 
-@pytest.mark.parametrize("num_splits", [2, 3, 5])
+@pytest.mark.parametrize("num_splits,persistent", [(2, False), (5, False), (1, True), (2, True), (5, True)])
 @pytest.mark.parametrize("block_size,H,Hkv,D,dtype", [
     (16, 8, 2, 32, torch.float32),    # GQA 4, per-key block lookup
     (64, 6, 2, 16, torch.float32),    # GQA 3 (padded heads), one block per KV tile
     (32, 4, 1, 64, torch.bfloat16),
 ])
-def test_prefill_kv_splits_match_reference(device, num_splits, block_size, H, Hkv, D, dtype):
-    """KV-split varlen path (partials + reduce): short chunks over long prefixes, a fresh prompt whose first
-    tiles see fewer keys than there are splits, padding (seq_len 0), and leading rows that belong to no sequence
-    (a mixed step's decode rows): those stay untouched, everything else matches the reference."""
+def test_prefill_kv_splits_and_persistent_grid_match_reference(device, num_splits, persistent, block_size, H, Hkv,
+                                                                D, dtype):
+    """KV-split varlen path (partials + reduce) and the persistent grid (programs loop over exactly numbered
+    tiles; with 5 splits there are more work items than programs): short chunks over long prefixes, a fresh
+    prompt whose first tiles see fewer keys than there are splits, padding (seq_len 0), and leading sequences
+    without queries (a mixed step's decode rows): their rows stay untouched, everything else matches the
+    reference."""
     specs = [(40, 1)] * 3 + [(300, 37), (96, 96), (0, 1), (133, 5), (70, 20)]
     batch = make_batch(specs, H, Hkv, D, block_size, dtype, device, seed=num_splits + D)
     ref = reference(batch, D ** -0.5)
@@ -158,7 +161,7 @@ def test_prefill_kv_splits_match_reference(device, num_splits, block_size, H, Hk
     ws = torch.full((decode_workspace_numel(out.shape[0], H, D, num_splits),), float("nan"), device=device)
     res = paged_prefill_attention(batch["q"], batch["k_cache"], batch["v_cache"], cu, batch["seq_lens"],
                                   batch["block_tables"], D ** -0.5, batch["max_seqlen_q"], out=out,
-                                  num_splits=num_splits, workspace=ws)
+                                  num_splits=num_splits, workspace=ws, persistent=persistent)
     assert res is out
     assert out[:3].isnan().all()
     assert not out[3:].isnan().any()
