@@ -65,10 +65,12 @@ def make_case(dec_lens, chunks, rows, capacity, seed, dev="cuda"):
     ref = paged_attention_ref(q[:case["used"]].float(), ks[0].float(), vs[0].float(), t(cu_all[:B + 1]),
                               t(seq_lens[:B]), case["tables"][:B], D ** -0.5, max(c for _, c in chunks))
     case["ref"] = ref
+    order = sorted(range(Bd), key=lambda b: -dec_lens[b]) + list(range(Bd, capacity))  # as the runner packs it
+    case["order"] = t(torch.tensor(order, dtype=torch.int32))
     return case
 
 
-def variant(case, kind, splits, side, persistent=False, dec_splits=1):
+def variant(case, kind, splits, side, persistent=False, dec_splits=1, order=False):
     scale = D ** -0.5
     rows, cap = case["rows"], case["dec_lens"].shape[0]
     out = torch.empty_like(case["q"])
@@ -81,7 +83,8 @@ def variant(case, kind, splits, side, persistent=False, dec_splits=1):
     def dec(layer):
         # as the backend: the graph's every sequence, the non-decode ones with length 0 (left untouched)
         paged_decode_attention(case["q"][:cap], case["ks"][layer], case["vs"][layer], case["dec_lens"],
-                               case["tables"], scale, out=out[:cap], num_splits=dec_splits, skip_empty=True)
+                               case["tables"], scale, out=out[:cap], num_splits=dec_splits, skip_empty=True,
+                               order=case["order"] if order else None)
 
     def run():
         for layer in range(LAYERS):
@@ -135,25 +138,33 @@ def main():
     side = torch.cuda.Stream()
     for name, case in cases.items():
         print(f"== {name}  (decode KV {case['kv_bytes'] / 1e6:.0f} MB per layer)")
-        variants = [("dec", 1, False, 1), ("dec", 1, False, 2), ("pre", 1, False, 1), ("pre", 2, False, 1),
-                    ("pre", 1, True, 1), ("pre", 2, True, 1), ("pre", 3, True, 1), ("pre", 4, True, 1),
-                    ("seq", 1, False, 1), ("seq", 1, True, 1), ("seq", 2, True, 1),
-                    ("ov", 1, False, 1), ("ov", 1, True, 1), ("ov", 2, True, 1), ("ov", 4, True, 1),
-                    ("ov", 1, True, 2), ("ov", 2, True, 2), ("ovd", 1, True, 1), ("ovd", 2, True, 1)]
-        for kind, splits, persistent, dec_splits in variants:
-            run, out = variant(case, kind, splits, side, persistent, dec_splits)
+        # (kind, varlen splits, persistent, decode splits, longest-first decode order, NANOVLLM_DECODE_ATTN)
+        variants = [("dec", 1, False, 1, False, ""), ("dec", 1, False, 1, True, ""),
+                    ("dec", 1, False, 1, True, "64,4,2"), ("dec", 1, False, 1, True, "64,4,3"),
+                    ("dec", 1, False, 1, True, "128,4,2"), ("dec", 1, False, 1, True, "128,8,3"),
+                    ("pre", 1, False, 1, False, ""), ("pre", 1, True, 1, False, ""),
+                    ("ov", 1, False, 1, False, ""), ("ov", 1, True, 1, False, ""), ("ov", 1, True, 1, True, ""),
+                    ("ov", 1, True, 1, True, "64,4,2"), ("ov", 1, True, 1, True, "128,4,2")]
+        for kind, splits, persistent, dec_splits, order, cfg in variants:
+            if cfg:
+                os.environ["NANOVLLM_DECODE_ATTN"] = cfg
+            else:
+                os.environ.pop("NANOVLLM_DECODE_ATTN", None)
+            run, out = variant(case, kind, splits, side, persistent, dec_splits, order)
             us = time_graph(run)
             used, Bd = case["used"], case["Bd"]
             rows = slice(0, Bd) if kind == "dec" else slice(Bd, used) if kind == "pre" else slice(0, used)
             # check: the same variant eagerly over layer 0's cache (the reference's)
             run_l0, out0 = variant(dict(case, ks=case["ks"][:1] * LAYERS, vs=case["vs"][:1] * LAYERS), kind, splits,
-                                   side, persistent, dec_splits)
+                                   side, persistent, dec_splits, order)
             run_l0()
             torch.cuda.synchronize()
             err = (out0[rows].float() - case["ref"][rows]).abs().max().item()
             extra = f"  decode {case['kv_bytes'] / us / 1e6:.2f} TB/s" if kind == "dec" else ""
             print(f"  {kind:4s} varlen splits {splits} {'persistent' if persistent else 'tile grid '}, decode splits "
-                  f"{dec_splits}: {us:7.1f} us/layer  max err {err:.4f}{extra}")
+                  f"{dec_splits}{' longest first' if order else ''}{' cfg ' + cfg if cfg else ''}: {us:7.1f} us/layer"
+                  f"  max err {err:.4f}{extra}")
+        os.environ.pop("NANOVLLM_DECODE_ATTN", None)
 
 
 if __name__ == "__main__":

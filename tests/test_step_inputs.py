@@ -47,6 +47,7 @@ def test_mixed_step_split_fields_and_graph_padding():
     assert v["cu_pre"].tolist() == [2, 2, 2, 6, 6, 6]
     assert v["cu"].tolist() == [0, 1, 2, 6, 6, 6]
     assert v["last"].tolist() == [0, 1, 5, 0, 0]
+    assert v["order"].tolist() == [1, 0, 2, 3, 4]  # the decode rows longest first, then the chunk and padding
     assert v["banned_rows"].numel() == 0
     # an eager layout has room for them
     v = stage.upload(batch, Layout.make(6, 3, 1, 3, 2))

@@ -123,7 +123,8 @@ class TritonAttentionBackend(AttentionBackend):
                                            scale, meta.max_seqlen_q, out=out, num_splits=meta.prefill_splits,
                                            persistent=meta.prefill_persistent)
         self.k.paged_decode_attention(q[:B], k_cache, v_cache, meta.decode_lens, meta.block_tables, scale,
-                                      out=out[:B], num_splits=meta.decode_splits, skip_empty=True)
+                                      out=out[:B], num_splits=meta.decode_splits, skip_empty=True,
+                                      order=meta.decode_order)
         if side is not None:
             main.wait_stream(side)
         return out

@@ -284,7 +284,8 @@ class ModelRunner:
                                  max_seqlen_q=rows, is_decode=False, decode_lens=v["dec_lens"],
                                  prefill_cu=v["cu_pre"], decode_splits=self._decode_splits(B),
                                  prefill_splits=self.mixed_prefill_splits,
-                                 prefill_persistent=self.mixed_prefill_persistent)
+                                 prefill_persistent=self.mixed_prefill_persistent,
+                                 decode_order=v["order"] if self.decode_order else None)
         hidden = self.model(self._input_ids(v), v["pos"], meta)[v["last"]]
         return self.model.compute_logits(hidden, gather=self.tp.size == 1)          # (B, V | shard)
 

@@ -95,10 +95,11 @@ def pack(batch: StepBatch, layout: Layout, host: torch.Tensor) -> None:
         cu_pre[:nd + 1] = nd
         cu_pre[nd + 1:B + 1] = batch.cu_seqlens_q[nd + 1:]
         cu_pre[B + 1:] = batch.cu_seqlens_q[-1]
-    if batch.is_decode:  # the decode kernel launches the longest sequences first; padding rows last
-        order = arr["order"]
-        order[:B] = np.argsort(-np.asarray(batch.seq_lens), kind="stable")
-        order[B:] = np.arange(B, layout.B)
+    # the decode kernel launches the longest sequences first; padding (and a mixed step's chunks) last
+    nd = B if batch.is_decode else batch.num_decode
+    order = arr["order"]
+    order[:nd] = np.argsort(-np.asarray(batch.seq_lens[:nd]), kind="stable")
+    order[nd:] = np.arange(nd, layout.B)
     W = layout.W
     tables = arr["tables"]
     tables[:] = 0  # columns past a sequence's last block are never used, but must be valid block ids
