@@ -10,8 +10,9 @@ workload's ignore_eos). A step costs (milliseconds, Qwen3-8B on one H200, from b
   * the LM head (sampled rows, >= the 0.29 ms weight read), ~1 ms of norms, activations and sampling;
   * decode attention: every one-token row's context at 147,456 bytes per token and 3.9 TB/s;
   * 0.8 ms for the varlen kernel in a step with chunks (what the decode kernel does not hide, run 17).
-It is a model: it puts the fcfs run at 13.8 s (measured 13.7) and balanced at 13.0 (measured 13.1-13.3). Use it
-to compare admission rules before spending GPU time, not as a measurement.
+It is a model: it puts the fcfs run at 13.8 s (measured 13.7) and balanced at 13.0 (measured 13.1-13.3, run 17).
+"balanced + hold" holds each request's last prompt token until it must start (the default). Use it to compare
+admission rules before spending GPU time, not as a measurement.
 """
 from __future__ import annotations
 
@@ -50,9 +51,11 @@ def step_ms(rows: int, sampled: int, decode_ctx: int, has_chunks: bool, sizes: l
             + (0.8 if has_chunks else 0.0))
 
 
-def simulate(policy: str, sizes: list[int], budget: int = 8192, kv_blocks: int = 3071) -> tuple[float, int, list]:
+def simulate(policy: str, sizes: list[int], budget: int = 8192, kv_blocks: int = 3071,
+             hold: bool = True) -> tuple[float, int, list]:
     prompts, max_tokens = offline_workload()
-    sched = Scheduler(BlockManager(kv_blocks, 256, True), 256, budget, policy, step_sizes=sizes)
+    sched = Scheduler(BlockManager(kv_blocks, 256, True), 256, budget, policy, step_sizes=sizes,
+                      hold_last_tokens=hold)
     for i, (p, m) in enumerate(zip(prompts, max_tokens)):
         sched.add(Sequence(i, str(i), p, SamplingParams(max_tokens=m, ignore_eos=True), m, frozenset(), 0))
     total, rows = 0.0, []
@@ -75,12 +78,13 @@ def main():
     ap.add_argument("--step", type=int, nargs="+", default=[128], help="mixed-graph size steps to try")
     ns = ap.parse_args()
     out_tokens = sum(offline_workload()[1])
-    for policy in ("fcfs", "balanced"):
+    for policy, hold in (("fcfs", False), ("balanced", False), ("balanced", True)):
         for step in ns.step:
             sizes = list(range(step, 513, step))
-            s, n, rows = simulate(policy, sizes)
+            s, n, rows = simulate(policy, sizes, hold=hold)
             per100 = [round(sum(rows[i:i + 100]) / len(rows[i:i + 100])) for i in range(0, n, 100)]
-            print(f"{policy:9s} graphs every {step:3d} rows: {s:6.2f} s, {out_tokens / s:7.0f} tok/s, {n} steps; "
+            name = policy + (" + hold" if hold else "")
+            print(f"{name:16s} graphs every {step:3d} rows: {s:6.2f} s, {out_tokens / s:7.0f} tok/s, {n} steps; "
                   f"tokens per step by 100 steps {per100}")
 
 

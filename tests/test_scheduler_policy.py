@@ -21,10 +21,13 @@ def workload(n=48, seed=0):
     return prompts, [rng.randint(10, 200) for _ in range(n)]
 
 
-def simulate(policy, prompts, max_tokens, budget=2048, step_sizes=SIZES, stop_ids=frozenset()):
+def simulate(policy, prompts, max_tokens, budget=2048, step_sizes=SIZES, stop_ids=frozenset(), hold=True,
+             blocks=4096, finished=None):
     """Run the scheduler to the end; return each step's (sequences, tokens) and the admission order. The sampled
-    token is never one of `stop_ids` (which only make the lengths unknown to the scheduler)."""
-    sched = Scheduler(BlockManager(4096, 16, True), 256, budget, policy, step_sizes=step_sizes)
+    token is never one of `stop_ids` (which only make the lengths unknown to the scheduler). `finished`: filled
+    with each request's last step."""
+    sched = Scheduler(BlockManager(blocks, 16, True), 256, budget, policy, step_sizes=step_sizes,
+                      hold_last_tokens=hold)
     for i, (p, m) in enumerate(zip(prompts, max_tokens)):
         sched.add(Sequence(i, str(i), p, SamplingParams(max_tokens=m, ignore_eos=True), m, stop_ids, 0))
     steps, admitted = [], []
@@ -38,6 +41,8 @@ def simulate(policy, prompts, max_tokens, budget=2048, step_sizes=SIZES, stop_id
             seq.token_ids[-1] = 7
             if seq.num_output_tokens >= seq.max_tokens:
                 sched.finish(seq, "length")
+                if finished is not None:
+                    finished[seq.seq_id] = len(steps) - 1
     return steps, admitted
 
 
@@ -66,6 +71,30 @@ def test_balanced_spreads_prefill_and_fills_step_sizes():
     tokens = [sum(n for _, n in st) for st in steps[1:]]
     prefilling = [t for t, st in zip(tokens, steps[1:]) if any(n > 1 for _, n in st)]
     assert sum(t in sizes for t in prefilling) >= 0.8 * len(prefilling)
+
+
+def test_balanced_holds_last_prompt_tokens_so_requests_finish_together():
+    """Prompts are computed ahead, but each request's last prompt token (which samples its first token) waits
+    until the request must start: every request then finishes in the run's last step, so the tail is as full as
+    the rest. Without the hold (or when the KV cache could not hold every request at full length) requests
+    start when their prompt is done and many finish early, leaving thin last steps."""
+    prompts, max_tokens = workload()
+    tokens = lambda run: [sum(n for _, n in st) for st in run]  # noqa: E731
+    done, done_nohold, done_tight = {}, {}, {}
+    steps, _ = simulate("balanced", prompts, max_tokens, finished=done)
+    nohold, _ = simulate("balanced", prompts, max_tokens, hold=False, finished=done_nohold)
+    assert len(steps) == len(nohold) == max(max_tokens)
+    last = len(steps) - 1
+    assert set(done.values()) == {last}
+    assert sum(d < last - 20 for d in done_nohold.values()) > len(prompts) // 2
+    # the last 20 steps decode every request; without the hold, fewer than half of them on average
+    assert tokens(steps)[-20:] == [len(prompts)] * 20
+    assert sum(tokens(nohold)[-20:]) / 20 < len(prompts) / 2
+    # not enough KV cache for every request at its full length: no hold, the same run as without it
+    tight, _ = simulate("balanced", prompts, max_tokens, blocks=600, finished=done_tight)
+    as_ids = lambda run: [[(s.seq_id, n) for s, n in st] for st in run]  # noqa: E731
+    assert as_ids(tight) == as_ids(simulate("balanced", prompts, max_tokens, blocks=600, hold=False)[0])
+    assert done_tight != done
 
 
 def test_balanced_holds_back_only_requests_of_known_length():
@@ -143,7 +172,9 @@ def test_engine_policy_args(tiny_ckpt):
     assert server_engine_args(ns).scheduling_policy == "balanced"
 
 
-@pytest.mark.parametrize("name,value", [("NANOVLLM_MIXED_GRAPH_STEP", "100"), ("NANOVLLM_MIXED_OVERLAP", "yes")])
+@pytest.mark.parametrize("name,value", [("NANOVLLM_MIXED_GRAPH_STEP", "100"), ("NANOVLLM_MIXED_OVERLAP", "yes"),
+                                        ("NANOVLLM_PREFILL_SPLITS", "5"), ("NANOVLLM_PREFILL_PERSISTENT", "on"),
+                                        ("NANOVLLM_BALANCED_HOLD", "2")])
 def test_mixed_step_switches_checked_on_every_device(tiny_ckpt, monkeypatch, name, value):
     """The A/B switches of mixed steps are checked when the engine starts, also where they change nothing
     (CPU): a typo is an error naming the variable, not a silently ignored setting."""

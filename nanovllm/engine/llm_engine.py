@@ -98,9 +98,14 @@ class LLMEngine:
         self.runner = self._make_runner()
         self.block_manager = BlockManager(self.runner.num_kvcache_blocks, self.config.block_size,
                                           args.enable_prefix_caching)
+        # balanced policy: prompts computed ahead, last prompt tokens held until their request must start
+        # (NANOVLLM_BALANCED_HOLD=0: each request starts as soon as its prompt is computed; for A/B runs)
+        hold = os.environ.get("NANOVLLM_BALANCED_HOLD", "1")
+        if hold not in ("0", "1"):
+            raise ValueError(f"NANOVLLM_BALANCED_HOLD must be 0 or 1, got {hold!r}")
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, self.config.scheduling_policy,
-                                   step_sizes=mixed_graph_sizes(self.config))
+                                   step_sizes=mixed_graph_sizes(self.config), hold_last_tokens=hold == "1")
         self.requests: dict[str, Sequence] = {}
         # async scheduling: the launched step whose tokens are not read yet, with its (seq, row) pairs
         self._inflight: tuple | None = None

@@ -24,9 +24,12 @@ Policies (what decides how much prefill joins a step):
   about ``work left / steps left`` tokens: work left counts every unfinished request's prompt and
   ``max_tokens`` still to compute, steps left is the longest ``max_tokens`` still to generate (no schedule can
   finish sooner). Waiting requests are admitted longest ``max_tokens`` first, and one whose ``max_tokens`` is
-  not shorter than what the running requests still need is admitted at once with a full chunk (waiting would
-  lengthen the run). Only requests whose length is known are held back: one that can stop early (EOS, stop
-  ids or strings), for which ``max_tokens`` is only a bound, is admitted as under fcfs.
+  not shorter than what the run still needs is admitted at once with a full chunk (waiting would lengthen the
+  run). While every request fits in ``max_num_seqs`` and the KV cache at its full length, a request's prompt is
+  computed ahead but its last prompt token (which samples its first token) waits until then, so requests finish
+  together at the end and the last steps are as full as the others. Only requests whose length is known are
+  held back: one that can stop early (EOS, stop ids or strings), for which ``max_tokens`` is only a bound, is
+  admitted as under fcfs.
 
 With async scheduling the step after this one is scheduled before this one's tokens are read back: each
 sampling sequence gets a PLACEHOLDER token (its value stays on the device and feeds the next step's input
@@ -67,9 +70,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "fcfs", step_sizes: list[int] | tuple[int, ...] = ()):
+                 policy: str = "fcfs", step_sizes: list[int] | tuple[int, ...] = (), hold_last_tokens: bool = True):
         """`step_sizes`: token counts the runner runs fastest (its mixed-step CUDA graphs); the balanced policy
-        rounds its steps up to one of them, so no graph row is padding."""
+        rounds its steps up to one of them, so no graph row is padding. `hold_last_tokens`: the balanced policy may
+        hold a request's last prompt token back until it must start (see the module docstring)."""
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")
         self.bm = block_manager
@@ -77,6 +81,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
         self.step_sizes = sorted(step_sizes)
+        self.hold_last_tokens = hold_last_tokens
         self.waiting: deque[Sequence] = deque()
         self._waiting_work = 0  # balanced policy: tokens the waiting sequences will compute (prompt + max_tokens)
         self._unsorted = False  # requests were added since `waiting` was last put in the policy's order
@@ -118,7 +123,7 @@ class Scheduler:
                                                                      -s.max_tokens if s.fixed_length else 0)))
         self._unsorted = False
         # tokens of prompt (or recomputation) work this step may take; decode tokens never wait for it
-        prefill_budget, horizon = self._prefill_target() if balanced else (budget, 0)
+        prefill_budget, horizon, hold = self._prefill_target() if balanced else (budget, 0, False)
 
         # 1. running sequences (decode, or the next chunk of a prefill)
         i = 0
@@ -127,9 +132,14 @@ class Scheduler:
             if seq.awaiting_last_token:
                 i += 1
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if n > 1:
-                n = n if self._urgent(seq, horizon) else min(n, prefill_budget)
+            left = seq.num_tokens - seq.num_computed_tokens
+            n = min(left, budget)
+            starts = not seq.num_output_tokens  # its last prompt token samples its first token
+            if n > 1 or (hold and starts):
+                if not self._urgent(seq, horizon):
+                    # held back: prefill out of the step's prefill budget; under `hold` the last prompt token
+                    # waits until the sequence is urgent, so that it starts as late as the run allows
+                    n = min(n, prefill_budget, left - 1 if hold and starts else left)
                 if n == 0:
                     i += 1
                     continue
@@ -152,12 +162,15 @@ class Scheduler:
         # 2. waiting sequences (new, or preempted earlier); none while we are short of blocks
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
-            room = budget if self._urgent(seq, horizon) else min(budget, prefill_budget)
+            urgent = self._urgent(seq, horizon)
+            room = budget if urgent else min(budget, prefill_budget)
             if room <= 0:
                 break
             hits, hashes = self.bm.find_cached_prefix(seq)
             cached = len(hits) * self.bm.block_size
             n = min(seq.num_tokens - cached, room)
+            if hold and not urgent and not seq.num_output_tokens:
+                n = min(n, max(seq.num_tokens - cached - 1, 1))  # keep the last prompt token back
             if not self.bm.can_admit(hits, cached + n):
                 break
             self.waiting.popleft()
@@ -178,23 +191,31 @@ class Scheduler:
             out.num_new_tokens = [p[1] for p in pairs]
         return out
 
-    def _prefill_target(self) -> tuple[int, int]:
-        """Balanced policy: (prompt tokens this step may compute, steps the running sequences still need).
+    def _prefill_target(self) -> tuple[int, int, bool]:
+        """Balanced policy: (prompt tokens this step may compute, steps a request must need to be urgent,
+        whether last prompt tokens are held back).
 
         The step's rows are ``ceil(work / steps)``, rounded up to a step size: work is every unfinished token
         still to compute (prompts and ``max_tokens``), steps the longest ``max_tokens`` still to generate. The
-        running sequences' decode rows come out of those rows; the rest may go to prefill. (Also admitting fast
-        enough for every waiting request's latest start front-loads the prefill and leaves a thinner tail of
-        weight-bound steps: ~2% slower in benchmarks/schedule_sim.py, within machine-to-machine spread on the
-        GPU, benchmarks/RESULTS.md run 17; the simpler rule stays.)"""
+        running sequences' decode rows come out of those rows; the rest may go to prefill, unless that is under half
+        the smallest step size. A request's prefill and its start are decoupled: its last prompt token (which
+        samples its first token) is held back until it is urgent, so prefill fills the early steps while requests
+        start as late as the run allows and finish together, keeping the tail of the run full. (Admitting fast
+        enough for every waiting request's latest start, with the start tied to the prefill, front-loads both and
+        thins the tail: ~2% slower in benchmarks/schedule_sim.py, benchmarks/RESULTS.md run 17.)"""
         work = 0
         decode = 0
+        last_prompt_token = 0  # sequences with only their last prompt token left to compute
         horizon = 0  # steps the running sequences still need (their longest remaining max_tokens)
         for s in self.running:
             if s.awaiting_last_token:
                 continue
             work += s.num_prompt_tokens + s.max_tokens - s.num_computed_tokens
-            decode += s.num_tokens - s.num_computed_tokens == 1
+            if s.num_tokens - s.num_computed_tokens == 1:
+                if s.num_output_tokens:
+                    decode += 1
+                else:
+                    last_prompt_token += 1
             horizon = max(horizon, s.max_tokens - s.num_output_tokens)
         # the waiting sequences: their work is kept up to date; the longest of them is the first of known length
         # (sorted by max_tokens), or one of the few in front of it (preempted, or of unknown length)
@@ -204,11 +225,23 @@ class Scheduler:
             steps = max(steps, s.max_tokens - s.num_output_tokens)
             if s.fixed_length and not s.num_preemptions:
                 break
+        # hold back the last prompt token of a request that need not start yet, so that it starts as late as the
+        # run allows: while every unfinished request fits in max_num_seqs and the KV cache can hold all of them at
+        # their full length, requests then finish together at the end, and the last steps stay as full as the
+        # first. Otherwise its first token is sampled as soon as its prompt is computed.
+        hold = (self.hold_last_tokens and len(self.running) + len(self.waiting) <= self.max_num_seqs
+                and work // self.bm.block_size + len(self.running) + len(self.waiting) <= self.bm.num_free_blocks)
+        if not hold:
+            decode += last_prompt_token
         rows = max(math.ceil(work / max(steps, 1)), decode)
         i = bisect.bisect_left(self.step_sizes, rows)
         if i < len(self.step_sizes):
             rows = self.step_sizes[i]
-        return rows - decode, horizon
+        if self.step_sizes and rows - decode < self.step_sizes[0] // 2:
+            rows = decode  # too little prefill to pay for a mixed step's varlen kernel: it joins a later, fuller step
+        # under `hold`, a request is urgent once it needs as many steps as the whole run still does (so only the
+        # longest starts at once); otherwise once it needs as many as the running requests still do
+        return rows - decode, steps if hold else horizon, hold
 
     @staticmethod
     def _work(seq: Sequence) -> int:
