@@ -45,10 +45,10 @@ def test_banned_tokens_without_room_in_the_staging_layout(tiny_ckpt):
     assert t.temperatures.tolist() == [0.0, 0.0]  # (the views themselves, zeros here)
 
 
-def test_mixed_graph_forward_matches_the_eager_step(tiny_ckpt):
+def test_mixed_graph_forward_matches_the_eager_step(tiny_ckpt, monkeypatch):
     """What a mixed-step CUDA graph runs (`_mixed_forward` over a padded layout: decode rows through the decode
-    kernel, the chunk through the varlen kernel, empty padding sequences), run here without the graph on the
-    CPU interpreter: the eager step's logits and greedy tokens."""
+    kernel, the chunk through the varlen kernel's persistent grid, empty padding sequences), run here without the
+    graph on the CPU interpreter: the eager step's logits and greedy tokens, and the same decode-kernel variant."""
     pytest.importorskip("triton")
     import math
 
@@ -79,10 +79,21 @@ def test_mixed_graph_forward_matches_the_eager_step(tiny_ckpt):
     runner.graph_width = math.ceil(256 / 16)
     runner.mixed_layouts = {128: Layout.make(128, 8, runner.graph_width, 8)}
     v = runner.staging.upload(batch, runner.mixed_layouts[128])
+    # the decode kernel's compile-time options in each path (an eager mixed step must reuse the graphs' variant:
+    # another would compile mid-run on a GPU)
+    variants = []
+    decode = runner.backend.k.paged_decode_attention
+
+    def spy(*args, **kw):
+        variants.append((kw.get("num_splits"), kw.get("skip_empty"), kw.get("order") is not None))
+        return decode(*args, **kw)
+    monkeypatch.setattr(runner.backend.k, "paged_decode_attention", spy)  # (the kernels module: restored after)
     logits = runner._mixed_forward(128, v)[:len(batch.sample_rows)]
+    graph_variants, variants[:] = set(variants), []
     eager = []
     sampler = runner.sampler
     runner.sampler = lambda lg, t: (eager.append(lg.clone()), sampler(lg, t))[1]  # the eager step's logits
     tokens = runner.execute(batch).token_ids
     torch.testing.assert_close(logits, eager[0], atol=1e-4, rtol=1e-4)
     assert logits.argmax(-1).tolist() == tokens
+    assert set(variants) == graph_variants == {(1, True, True)}
