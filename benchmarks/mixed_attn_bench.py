@@ -9,10 +9,14 @@ balanced runs' profiles (benchmarks/RESULTS.md run 17): early in the run (78 dec
 256 rows) and mid-run (206 decode rows + 178 chunk tokens in 384 rows).
 
 Each variant runs over 8 layers' own caches (so nothing stays in L2 between layers) inside a CUDA graph, as the
-engine does, and prints microseconds per layer: the decode kernel alone, the varlen kernel alone (one program
-per possible tile, or the persistent grid; 1..4 KV splits), the two one after the other, and the two side by
-side on two streams (the backend's way; "ovd": the decode kernel on the side stream). Every variant's output is
-checked against the float32 torch reference.
+engine does, and prints microseconds per layer: the decode kernel alone (launch order, NANOVLLM_DECODE_ATTN
+configs), the varlen kernel alone (one program per possible tile, or the persistent grid; KV splits), the two one
+after the other, and the two side by side on two streams (the backend's way; "ovd" would put the decode kernel
+on the side stream). `--tiles`: the varlen kernel's tile configs (NANOVLLM_PREFILL_ATTN) on the persistent grid
+instead, alone and side by side with the decode kernel. Every variant's output is checked against the float32
+torch reference.
+
+    python benchmarks/mixed_attn_bench.py --tiles
 """
 from __future__ import annotations
 
@@ -138,18 +142,28 @@ def main():
     side = torch.cuda.Stream()
     for name, case in cases.items():
         print(f"== {name}  (decode KV {case['kv_bytes'] / 1e6:.0f} MB per layer)")
-        # (kind, varlen splits, persistent, decode splits, longest-first decode order, NANOVLLM_DECODE_ATTN)
-        variants = [("dec", 1, False, 1, False, ""), ("dec", 1, False, 1, True, ""),
-                    ("dec", 1, False, 1, True, "64,4,2"), ("dec", 1, False, 1, True, "64,4,3"),
-                    ("dec", 1, False, 1, True, "128,4,2"), ("dec", 1, False, 1, True, "128,8,3"),
-                    ("pre", 1, False, 1, False, ""), ("pre", 1, True, 1, False, ""),
-                    ("ov", 1, False, 1, False, ""), ("ov", 1, True, 1, False, ""), ("ov", 1, True, 1, True, ""),
-                    ("ov", 1, True, 1, True, "64,4,2"), ("ov", 1, True, 1, True, "128,4,2")]
-        for kind, splits, persistent, dec_splits, order, cfg in variants:
-            if cfg:
-                os.environ["NANOVLLM_DECODE_ATTN"] = cfg
-            else:
-                os.environ.pop("NANOVLLM_DECODE_ATTN", None)
+        # (kind, varlen splits, persistent, decode splits, longest-first decode order, NANOVLLM_DECODE_ATTN,
+        #  NANOVLLM_PREFILL_ATTN); --tiles: the varlen kernel's tile configs on the persistent grid instead
+        if "--tiles" in sys.argv:
+            variants = [("dec", 1, False, 1, True, "", ""), ("dec", 1, False, 1, True, "64,4,2", "")]
+            for pcfg in ("", "64,64,4,2", "64,64,4,3", "32,64,4,2", "64,128,4,2", "128,128,8,2"):
+                variants += [("pre", 1, True, 1, True, "", pcfg), ("ov", 1, True, 1, True, "", pcfg),
+                             ("ov", 1, True, 1, True, "64,4,2", pcfg)]
+        else:
+            variants = [("dec", 1, False, 1, False, "", ""), ("dec", 1, False, 1, True, "", ""),
+                        ("dec", 1, False, 1, True, "64,4,2", ""), ("dec", 1, False, 1, True, "64,4,3", ""),
+                        ("dec", 1, False, 1, True, "128,4,2", ""), ("dec", 1, False, 1, True, "128,8,3", ""),
+                        ("pre", 1, False, 1, False, "", ""), ("pre", 1, True, 1, False, "", ""),
+                        ("pre", 2, True, 1, False, "", ""),
+                        ("ov", 1, False, 1, False, "", ""), ("ov", 1, True, 1, False, "", ""),
+                        ("ov", 1, True, 1, True, "", ""), ("ov", 2, True, 1, True, "", ""),
+                        ("ov", 1, True, 1, True, "64,4,2", ""), ("ov", 1, True, 1, True, "128,4,2", "")]
+        for kind, splits, persistent, dec_splits, order, cfg, pcfg in variants:
+            for name, value in (("NANOVLLM_DECODE_ATTN", cfg), ("NANOVLLM_PREFILL_ATTN", pcfg)):
+                if value:
+                    os.environ[name] = value
+                else:
+                    os.environ.pop(name, None)
             run, out = variant(case, kind, splits, side, persistent, dec_splits, order)
             us = time_graph(run)
             used, Bd = case["used"], case["Bd"]
@@ -162,9 +176,10 @@ def main():
             err = (out0[rows].float() - case["ref"][rows]).abs().max().item()
             extra = f"  decode {case['kv_bytes'] / us / 1e6:.2f} TB/s" if kind == "dec" else ""
             print(f"  {kind:4s} varlen splits {splits} {'persistent' if persistent else 'tile grid '}, decode splits "
-                  f"{dec_splits}{' longest first' if order else ''}{' cfg ' + cfg if cfg else ''}: {us:7.1f} us/layer"
-                  f"  max err {err:.4f}{extra}")
+                  f"{dec_splits}{' longest first' if order else ''}{' cfg ' + cfg if cfg else ''}"
+                  f"{' varlen tiles ' + pcfg if pcfg else ''}: {us:7.1f} us/layer  max err {err:.4f}{extra}")
         os.environ.pop("NANOVLLM_DECODE_ATTN", None)
+        os.environ.pop("NANOVLLM_PREFILL_ATTN", None)
 
 
 if __name__ == "__main__":
