@@ -5,7 +5,7 @@
 #        bench8tp2notrim bench8notrim profile8tp2 order bench8tp2noorder bench8noorder bench8lt bench8chunk16k
 #        gemmsweep parity_trained_lt kernel_tests_mm bench8noplan profile8gaps bench8tp2noplan bench06chunk16k bench8tp2chunk16k bench06fresh
 #        bench06noplan bench06noplanfresh bench8bal bench06bal bench8tp2bal policy_check policy_check_tp2 bench8ov (OVERLAP=0|1) bench8pre (PREFILL_ATTN=BM,BN,W,S) bench8fcfs bench8tp2fcfs prof8bal (MIXED_STEP=32|64|128)
-#        mixedattn mixedtiles kernel_tests_splits bench8spl (SPLITS=1..8 PERSIST=0|1) policy_check_spl (SPLITS) bench8nohold
+#        mixedattn mixedtiles kernel_tests_varlen bench8persist (PERSIST=0|1) bench8nohold
 # (default: env kernels parity bench06 profile06 bench8). online06 needs fastapi/uvicorn: carry .whl and
 # start the command with the wheel install from the device README.
 # Logs go to $OUT (or ./gpu_out); each step has its own time limit and a failure doesn't stop the rest.
@@ -63,11 +63,10 @@ for s in $steps; do
     bench8ov) TAIL=40 NANOVLLM_MIXED_OVERLAP=${OVERLAP:-1} run bench8ov${OVERLAP:-1} 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-} mixed overlap ${OVERLAP:-1}" --step-log "$OUT/steps8ov${OVERLAP:-1}.json" ;;
     bench8pre) TAIL=40 NANOVLLM_PREFILL_ATTN=${PREFILL_ATTN:-32,128,4,2} run bench8pre 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-} varlen tiles ${PREFILL_ATTN:-32,128,4,2} for chunks <= 512" --step-log "$OUT/steps8pre.json" ; mv "$OUT/bench8pre.log" "$OUT/bench8pre-$(echo ${PREFILL_ATTN:-32,128,4,2} | tr , x).log" ;;
     bench8nohold) TAIL=40 NANOVLLM_BALANCED_HOLD=0 run bench8nohold 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-} balanced without the last-token hold" --step-log "$OUT/steps8nohold.json" --gpu-idle ;;
+    bench8persist) TAIL=40 NANOVLLM_PREFILL_PERSISTENT=${PERSIST:-1} run bench8persist${PERSIST:-1} 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-} mixed-graph varlen persistent ${PERSIST:-1}" --step-log "$OUT/steps8persist${PERSIST:-1}.json" --gpu-idle ;;
     mixedattn) TAIL=60 run mixedattn 300 python3 benchmarks/mixed_attn_bench.py ;;
     mixedtiles) TAIL=70 run mixedtiles 300 python3 benchmarks/mixed_attn_bench.py --tiles ;;
-    kernel_tests_splits) run kernel_tests_splits 300 python3 -m pytest tests/kernels/test_triton_attention.py -q -x -k "splits or persistent or leading or mixed_batch" ;;
-    bench8spl) TAIL=40 NANOVLLM_PREFILL_SPLITS=${SPLITS:-1} NANOVLLM_PREFILL_PERSISTENT=${PERSIST:-1} run bench8spl${SPLITS:-1}p${PERSIST:-1} 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-} mixed-graph varlen splits ${SPLITS:-1} persistent ${PERSIST:-1}" --step-log "$OUT/steps8spl${SPLITS:-1}p${PERSIST:-1}.json" --gpu-idle ;;
-    policy_check_spl) NANOVLLM_PREFILL_SPLITS=${SPLITS:-4} run policy_check_spl${SPLITS:-4} 300 python3 benchmarks/policy_check.py ;;
+    kernel_tests_varlen) run kernel_tests_varlen 300 python3 -m pytest tests/kernels/test_triton_attention.py -q -x -k "persistent or leading or mixed_batch" ;;
     bench8fcfs) TAIL=40 run bench8fcfs 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --scheduling-policy fcfs --json "$OUT/bench.jsonl" --label "${LABEL:-} fcfs" --step-log "$OUT/steps8fcfs.json" --gpu-idle ;;
     bench8tp2fcfs) TAIL=40 run bench8tp2fcfs 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --tensor-parallel-size 2 --scheduling-policy fcfs --json "$OUT/bench.jsonl" --label "${LABEL:-} tp2 fcfs" --step-log "$OUT/steps8tp2fcfs.json" --gpu-idle ;;
     bench8tp2) TAIL=40 run bench8tp2 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --tensor-parallel-size 2 --json "$OUT/bench.jsonl" --label "${LABEL:-} tp2" --step-log "$OUT/steps8tp2.json" --gpu-idle ;;

@@ -4,17 +4,17 @@
 
 A mixed step of Qwen3-8B's attention shapes (32 query heads, 8 KV heads, head_dim 128, bf16, 256-token
 blocks) laid out as a mixed CUDA graph lays it out: the one-token sequences first (decode kernel), then the
-prompt chunks (varlen kernel), then empty padding sequences up to the graph's capacity. Two cases, from the
+prompt chunks (varlen kernel), then empty padding sequences up to the graph's capacity. Three cases, from the
 balanced runs' profiles (benchmarks/RESULTS.md run 17): early in the run (78 decode rows + a 178-token chunk in
-256 rows) and mid-run (206 decode rows + 178 chunk tokens in 384 rows).
+256 rows) and mid-run (206 decode rows + 178 chunk tokens in 384 rows, in one chunk or two).
 
 Each variant runs over 8 layers' own caches (so nothing stays in L2 between layers) inside a CUDA graph, as the
 engine does, and prints microseconds per layer: the decode kernel alone (launch order, NANOVLLM_DECODE_ATTN
-configs), the varlen kernel alone (one program per possible tile, or the persistent grid; KV splits), the two one
-after the other, and the two side by side on two streams (the backend's way; "ovd" would put the decode kernel
-on the side stream). `--tiles`: the varlen kernel's tile configs (NANOVLLM_PREFILL_ATTN) on the persistent grid
-instead, alone and side by side with the decode kernel. Every variant's output is checked against the float32
-torch reference.
+configs), the varlen kernel alone (one program per possible tile, or the persistent grid), the two one after the
+other, and the two side by side on two streams (the backend's way; "ovd": the decode kernel on the side
+stream). `--tiles`: the varlen kernel's tile configs (NANOVLLM_PREFILL_ATTN) on the persistent grid instead,
+alone and side by side with the decode kernel. Every variant's output is checked against the float32 torch
+reference.
 
     python benchmarks/mixed_attn_bench.py --tiles
 """
@@ -74,15 +74,14 @@ def make_case(dec_lens, chunks, rows, capacity, seed, dev="cuda"):
     return case
 
 
-def variant(case, kind, splits, side, persistent=False, dec_splits=1, order=False):
+def variant(case, kind, side, persistent=False, dec_splits=1, order=False):
     scale = D ** -0.5
     rows, cap = case["rows"], case["dec_lens"].shape[0]
     out = torch.empty_like(case["q"])
 
     def pre(layer):
         paged_prefill_attention(case["q"], case["ks"][layer], case["vs"][layer], case["cu_pre"], case["seq_lens"],
-                                case["tables"], scale, rows, out=out, num_splits=splits,
-                                persistent=persistent)
+                                case["tables"], scale, rows, out=out, persistent=persistent)
 
     def dec(layer):
         # as the backend: the graph's every sequence, the non-decode ones with length 0 (left untouched)
@@ -142,41 +141,42 @@ def main():
     side = torch.cuda.Stream()
     for name, case in cases.items():
         print(f"== {name}  (decode KV {case['kv_bytes'] / 1e6:.0f} MB per layer)")
-        # (kind, varlen splits, persistent, decode splits, longest-first decode order, NANOVLLM_DECODE_ATTN,
+        # (kind, persistent varlen grid, decode splits, longest-first decode order, NANOVLLM_DECODE_ATTN,
         #  NANOVLLM_PREFILL_ATTN); --tiles: the varlen kernel's tile configs on the persistent grid instead
         if "--tiles" in sys.argv:
-            variants = [("dec", 1, False, 1, True, "", ""), ("dec", 1, False, 1, True, "64,4,2", "")]
+            variants = [("dec", False, 1, True, "", ""), ("dec", False, 1, True, "64,4,2", "")]
             for pcfg in ("", "64,64,4,2", "64,64,4,3", "32,64,4,2", "64,128,4,2", "128,128,8,2"):
-                variants += [("pre", 1, True, 1, True, "", pcfg), ("ov", 1, True, 1, True, "", pcfg),
-                             ("ov", 1, True, 1, True, "64,4,2", pcfg)]
+                variants += [("pre", True, 1, True, "", pcfg), ("ov", True, 1, True, "", pcfg),
+                             ("ov", True, 1, True, "64,4,2", pcfg)]
         else:
-            variants = [("dec", 1, False, 1, False, "", ""), ("dec", 1, False, 1, True, "", ""),
-                        ("dec", 1, False, 1, True, "64,4,2", ""), ("dec", 1, False, 1, True, "64,4,3", ""),
-                        ("dec", 1, False, 1, True, "128,4,2", ""), ("dec", 1, False, 1, True, "128,8,3", ""),
-                        ("pre", 1, False, 1, False, "", ""), ("pre", 1, True, 1, False, "", ""),
-                        ("pre", 2, True, 1, False, "", ""),
-                        ("ov", 1, False, 1, False, "", ""), ("ov", 1, True, 1, False, "", ""),
-                        ("ov", 1, True, 1, True, "", ""), ("ov", 2, True, 1, True, "", ""),
-                        ("ov", 1, True, 1, True, "64,4,2", ""), ("ov", 1, True, 1, True, "128,4,2", "")]
-        for kind, splits, persistent, dec_splits, order, cfg, pcfg in variants:
+            variants = [("dec", False, 1, False, "", ""), ("dec", False, 1, True, "", ""),
+                        ("dec", False, 2, True, "", ""),
+                        ("dec", False, 1, True, "64,4,2", ""), ("dec", False, 1, True, "64,4,3", ""),
+                        ("dec", False, 1, True, "128,4,2", ""), ("dec", False, 1, True, "128,8,3", ""),
+                        ("pre", False, 1, False, "", ""), ("pre", True, 1, False, "", ""),
+                        ("seq", False, 1, False, "", ""), ("seq", True, 1, True, "", ""),
+                        ("ov", False, 1, False, "", ""), ("ov", True, 1, False, "", ""),
+                        ("ov", True, 1, True, "", ""), ("ovd", True, 1, True, "", ""),
+                        ("ov", True, 1, True, "64,4,2", ""), ("ov", True, 1, True, "128,4,2", "")]
+        for kind, persistent, dec_splits, order, cfg, pcfg in variants:
             for name, value in (("NANOVLLM_DECODE_ATTN", cfg), ("NANOVLLM_PREFILL_ATTN", pcfg)):
                 if value:
                     os.environ[name] = value
                 else:
                     os.environ.pop(name, None)
-            run, out = variant(case, kind, splits, side, persistent, dec_splits, order)
+            run, out = variant(case, kind, side, persistent, dec_splits, order)
             us = time_graph(run)
             used, Bd = case["used"], case["Bd"]
             rows = slice(0, Bd) if kind == "dec" else slice(Bd, used) if kind == "pre" else slice(0, used)
             # check: the same variant eagerly over layer 0's cache (the reference's)
-            run_l0, out0 = variant(dict(case, ks=case["ks"][:1] * LAYERS, vs=case["vs"][:1] * LAYERS), kind, splits,
-                                   side, persistent, dec_splits, order)
+            run_l0, out0 = variant(dict(case, ks=case["ks"][:1] * LAYERS, vs=case["vs"][:1] * LAYERS), kind, side,
+                                   persistent, dec_splits, order)
             run_l0()
             torch.cuda.synchronize()
             err = (out0[rows].float() - case["ref"][rows]).abs().max().item()
             extra = f"  decode {case['kv_bytes'] / us / 1e6:.2f} TB/s" if kind == "dec" else ""
-            print(f"  {kind:4s} varlen splits {splits} {'persistent' if persistent else 'tile grid '}, decode splits "
-                  f"{dec_splits}{' longest first' if order else ''}{' cfg ' + cfg if cfg else ''}"
+            print(f"  {kind:4s} varlen {'persistent' if persistent else 'tile grid '}, decode splits {dec_splits}"
+                  f"{' longest first' if order else ''}{' cfg ' + cfg if cfg else ''}"
                   f"{' varlen tiles ' + pcfg if pcfg else ''}: {us:7.1f} us/layer  max err {err:.4f}{extra}")
         os.environ.pop("NANOVLLM_DECODE_ATTN", None)
         os.environ.pop("NANOVLLM_PREFILL_ATTN", None)

@@ -83,7 +83,6 @@ class ModelRunner:
         self.graph_sizes: list[int] = []
         self.mixed_sizes = mixed_graph_sizes(config)
         self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.mixed_prefill_splits = mixed_prefill_splits()
         # mixed graphs: the varlen kernel on a fixed grid looping over the chunks' tiles, not one program per
         # possible tile of the graph's hundreds of sequences (NANOVLLM_PREFILL_PERSISTENT=0: the latter)
         self.mixed_prefill_persistent = _env_switch("NANOVLLM_PREFILL_PERSISTENT")
@@ -283,7 +282,6 @@ class ModelRunner:
         meta = AttentionMetadata(v["slots"], v["cu"], v["seq_lens"], v["tables"].view(B, self.graph_width),
                                  max_seqlen_q=rows, is_decode=False, decode_lens=v["dec_lens"],
                                  prefill_cu=v["cu_pre"], decode_splits=self._decode_splits(B),
-                                 prefill_splits=self.mixed_prefill_splits,
                                  prefill_persistent=self.mixed_prefill_persistent,
                                  decode_order=v["order"] if self.decode_order else None)
         hidden = self.model(self._input_ids(v), v["pos"], meta)[v["last"]]
@@ -413,16 +411,6 @@ class ModelRunner:
             import gc
             gc.collect()
             torch.cuda.empty_cache()
-
-
-def mixed_prefill_splits() -> int:
-    """KV splits of the varlen kernel in mixed-step CUDA graphs. Their chunks are short (a few hundred tokens
-    over prefixes of up to a few thousand), so without splits a chunk is a few dozen programs, each walking its
-    whole prefix alone, next to the decode kernel. NANOVLLM_PREFILL_SPLITS overrides it (A/B runs)."""
-    value = os.environ.get("NANOVLLM_PREFILL_SPLITS", "1")
-    if value not in ("1", "2", "3", "4", "6", "8"):
-        raise ValueError(f"NANOVLLM_PREFILL_SPLITS must be 1, 2, 3, 4, 6 or 8, got {value!r}")
-    return int(value)
 
 
 def mixed_graph_sizes(config: EngineConfig) -> list[int]:

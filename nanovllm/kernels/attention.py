@@ -95,13 +95,12 @@ def _online_softmax_step(qk, v, m_i, l_i, acc, PREC: tl.constexpr, SOME_ROWS_EMP
 
 @triton.jit
 def _prefill_tile(
-    Q, K, V, Out, PART_O, PART_LSE, SEQ_LENS, BT, qk_scale, b, q_start, q_len, qb, kvh, split,
+    Q, K, V, Out, SEQ_LENS, BT, qk_scale, b, q_start, q_len, qb, kvh,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_bt,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Query tile qb (BLOCK_Q queries x the G heads of KV head kvh) of sequence b, over its KV split `split`."""
+    """Query tile qb (BLOCK_Q queries x the G heads of KV head kvh) of sequence b."""
     seq_len = tl.load(SEQ_LENS + b).to(tl.int32)
     ctx = seq_len - q_len                      # cached tokens before this step's queries
     offs_m = tl.arange(0, BLOCK_M)
@@ -128,44 +127,27 @@ def _prefill_tile(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
-    # NUM_SPLITS > 1: this program covers keys [lo, hi), its share (in whole tiles) of the tile's visible keys
-    lo = 0
-    hi = kv_end
-    if NUM_SPLITS > 1:
-        share = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = split * share
-        hi = tl.minimum(lo + share, kv_end)
-
     # tiles strictly below the causal diagonal of every row: no masks at all
-    for n0 in range(lo, tl.minimum(full_end, hi), BLOCK_N):
+    for n0 in range(0, full_end, BLOCK_N):
         k, v = _kv_tile(K, V, bt_row, n0, offs_n, offs_d, kv_end, None, head_off, stride_kb, stride_ks,
                         BLOCK_SIZE, BLOCK_N, False, UPCAST)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, PREC, False)
 
     # tiles crossing the diagonal: causal + length masks
-    for n0 in range(tl.maximum(full_end, lo), hi, BLOCK_N):
+    for n0 in range(full_end, kv_end, BLOCK_N):
         n = n0 + offs_n
-        n_ok = n < hi
-        k, v = _kv_tile(K, V, bt_row, n0, offs_n, offs_d, hi, n_ok, head_off, stride_kb, stride_ks,
+        n_ok = n < kv_end
+        k, v = _kv_tile(K, V, bt_row, n0, offs_n, offs_d, kv_end, n_ok, head_off, stride_kb, stride_ks,
                         BLOCK_SIZE, BLOCK_N, True, UPCAST)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         visible = (n[None, :] <= q_abs[:, None]) & n_ok[None, :]
         qk = tl.where(visible, qk, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, PREC, True)  # rows may see nothing yet
 
-    has = l_i > 0.0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]                  # seq_len 0 -> zeros
-    if NUM_SPLITS == 1:
-        tl.store(Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                 out.to(Out.dtype.element_ty), mask=row_ok[:, None])
-    else:
-        # workspace as the decode kernel's, with query rows for sequences: PART_O (T, H, NUM_SPLITS, D),
-        # PART_LSE (T, H, NUM_SPLITS); a split that sees no key of a row leaves lse = -inf there
-        idx = (tok * (tl.num_programs(1) * G) + head) * NUM_SPLITS + split
-        tl.store(PART_O + idx[:, None] * HEAD_DIM + offs_d[None, :], out, mask=row_ok[:, None])
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        tl.store(PART_LSE + idx, lse, mask=row_ok)
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]            # seq_len 0 -> zeros
+    tl.store(Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -181,25 +163,24 @@ def _seq_tiles(CU, offs_b, num_seqs, BLOCK_Q: tl.constexpr):
 # 1) would compile new variants mid-run (seen on an H200: ~1 s stalls in the first steps of a benchmark)
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _prefill_kernel(
-    Q, K, V, Out, PART_O, PART_LSE, CU, SEQ_LENS, BT, qk_scale, num_seqs,
+    Q, K, V, Out, CU, SEQ_LENS, BT, qk_scale, num_seqs,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_B: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, PERSISTENT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    PERSISTENT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     if PERSISTENT:
-        # A fixed grid whose programs loop over the work items (query tile x KV split) of all sequences, numbered
-        # exactly: sequence b owns tiles [S(b), S(b) + cdiv(q_len(b), BLOCK_Q)), S the exclusive prefix sum. For
-        # short chunks in a large padded batch (a mixed CUDA graph: hundreds of sequences, most without queries
-        # here), where one program per possible tile would launch thousands of programs that do nothing.
+        # A fixed grid whose programs loop over the query tiles of all sequences, numbered exactly: sequence b
+        # owns tiles [S(b), S(b) + cdiv(q_len(b), BLOCK_Q)), S the exclusive prefix sum. For short chunks in a
+        # large padded batch (a mixed CUDA graph: hundreds of sequences, most without queries here), where one
+        # program per possible tile would launch thousands of programs that do nothing.
         total = 0
         for b0 in range(0, num_seqs, BLOCK_B):
             total += tl.sum(_seq_tiles(CU, b0 + tl.arange(0, BLOCK_B), num_seqs, BLOCK_Q), axis=0)
-        for item in range(pid, total * NUM_SPLITS, tl.num_programs(0)):
-            t = item // NUM_SPLITS
+        for t in range(pid, total, tl.num_programs(0)):
             b = 0
             first = 0
             carry = 0
@@ -207,16 +188,15 @@ def _prefill_kernel(
                 offs_b = b0 + tl.arange(0, BLOCK_B)
                 n = _seq_tiles(CU, offs_b, num_seqs, BLOCK_Q)
                 start = tl.cumsum(n, axis=0) - n + carry
-                hit = (n > 0) & (start <= t)               # the last hit is this item's sequence
+                hit = (n > 0) & (start <= t)               # the last hit is this tile's sequence
                 b = tl.maximum(b, tl.max(tl.where(hit, offs_b, 0), axis=0))
                 first = tl.maximum(first, tl.max(tl.where(hit, start, 0), axis=0))
                 carry += tl.sum(n, axis=0)
             q_start = tl.load(CU + b).to(tl.int32)
             q_len = tl.load(CU + b + 1).to(tl.int32) - q_start
-            _prefill_tile(Q, K, V, Out, PART_O, PART_LSE, SEQ_LENS, BT, qk_scale, b, q_start, q_len, t - first, kvh,
-                          item % NUM_SPLITS, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks,
-                          stride_kh, stride_bt, G, G_PAD, BLOCK_Q, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_SIZE,
-                          NUM_SPLITS, PREC, UPCAST)
+            _prefill_tile(Q, K, V, Out, SEQ_LENS, BT, qk_scale, b, q_start, q_len, t - first, kvh,
+                          stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_bt,
+                          G, G_PAD, BLOCK_Q, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PREC, UPCAST)
     else:
         # Axis 0 enumerates query tiles of all sequences: sequence b owns tiles [start(b), start(b + 1)) with
         # start(b) = cu[b] // BLOCK_Q + b, which always covers its cdiv(q_len, BLOCK_Q) tiles (surplus tiles
@@ -236,10 +216,9 @@ def _prefill_kernel(
         q_len = tl.load(CU + b + 1).to(tl.int32) - q_start
         qb = pid - (q_start // BLOCK_Q + b)
         if (qb >= 0) & (qb * BLOCK_Q < q_len):
-            _prefill_tile(Q, K, V, Out, PART_O, PART_LSE, SEQ_LENS, BT, qk_scale, b, q_start, q_len, qb, kvh,
-                          tl.program_id(2), stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks,
-                          stride_kh, stride_bt, G, G_PAD, BLOCK_Q, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_SIZE,
-                          NUM_SPLITS, PREC, UPCAST)
+            _prefill_tile(Q, K, V, Out, SEQ_LENS, BT, qk_scale, b, q_start, q_len, qb, kvh,
+                          stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_bt,
+                          G, G_PAD, BLOCK_Q, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PREC, UPCAST)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -314,17 +293,12 @@ def _decode_kernel(
         tl.store(PART_LSE + idx, lse, mask=g_ok)
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
-def _decode_reduce_kernel(PART_O, PART_LSE, Out, stride_ob, stride_oh, CU, num_seqs,
+@triton.jit
+def _decode_reduce_kernel(PART_O, PART_LSE, Out, stride_ob, stride_oh,
                           NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          SKIP_EMPTY: tl.constexpr, ROWS_FROM_CU: tl.constexpr):
-    # one program per (row, head); the rows are sequences (decode) or query rows (ROWS_FROM_CU: the varlen
-    # kernel's split path, where only rows cu[0] <= row < cu[num_seqs] belong to a sequence and are written)
+                          SKIP_EMPTY: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    if ROWS_FROM_CU:
-        if (b < tl.load(CU).to(tl.int64)) | (b >= tl.load(CU + num_seqs).to(tl.int64)):
-            return
     H = tl.num_programs(1)
     offs_s = tl.arange(0, SPLITS_PAD)
     s_ok = offs_s < NUM_SPLITS
@@ -420,7 +394,6 @@ def _prefill_config(D: int, G_PAD: int, max_seqlen_q: int, dtype=torch.bfloat16)
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                             scale: float, max_seqlen_q: int, out: torch.Tensor | None = None, *,
-                            num_splits: int = 1, workspace: torch.Tensor | None = None,
                             persistent: bool = False) -> torch.Tensor:
     """Causal attention of a flat batch of queries over the paged cache (same semantics as ``paged_attention_ref``).
 
@@ -430,10 +403,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         cu_seqlens_q: (B + 1,) int query offsets; seq_lens: (B,) int; block_tables: (B, max_blocks) int, -1 pad.
         scale: softmax scale. max_seqlen_q: host int >= every q_len (only sizes the tiles; not read on device).
         out: optional (T, H, D) output buffer.
-        num_splits: programs per query tile, each over an equal share of the tile's keys, combined by a second
-            kernel (as in decode). For short chunks over long cached prefixes, whose few tiles would each walk the
-            whole prefix alone. Costs a float32 workspace of ``decode_workspace_numel(T, H, D, num_splits)``
-            elements (``workspace``, else allocated from shapes).
         persistent: launch a fixed grid of about two programs per SM that loop over the query tiles, numbered
             exactly on the device, instead of one program per possible tile (``T // BLOCK_Q + B``, most of which
             exit at once when few of the B sequences have queries: a mixed step's chunks in a padded graph).
@@ -454,38 +423,18 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     G_PAD = next_pow2(G)
     BLOCK_M, BLOCK_N, warps, stages = _prefill_config(D, G_PAD, max(int(max_seqlen_q), 1), q.dtype)
     BLOCK_Q = BLOCK_M // G_PAD
-    num_splits = int(num_splits)
-    if num_splits < 1:
-        raise ValueError(f"paged_prefill_attention: num_splits must be >= 1, got {num_splits}")
-    part_o = part_lse = out
-    if num_splits > 1:
-        need = decode_workspace_numel(T, H, D, num_splits)
-        if workspace is None:
-            workspace = torch.empty(need, dtype=torch.float32, device=q.device)
-        elif workspace.dtype != torch.float32 or workspace.numel() < need or not workspace.is_contiguous() \
-                or workspace.device != q.device:
-            raise ValueError(f"paged_prefill_attention: workspace must be a contiguous float32 tensor on {q.device} "
-                             f"with >= {need} elements, got {workspace.dtype} with {workspace.numel()} on "
-                             f"{workspace.device}")
-        workspace = workspace.view(-1)
-        part_o, part_lse = workspace[: T * H * num_splits * D], workspace[T * H * num_splits * D: need]
     if persistent:
-        grid = (max(1, min(T // BLOCK_Q + B, triton.cdiv(2 * sm_count(q.device), Hkv))), Hkv, 1)
+        grid = (max(1, min(T // BLOCK_Q + B, triton.cdiv(2 * sm_count(q.device), Hkv))), Hkv)
     else:
-        grid = (T // BLOCK_Q + B, Hkv, num_splits)
+        grid = (T // BLOCK_Q + B, Hkv)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, part_o, part_lse, cu_seqlens_q, seq_lens, block_tables, float(scale) * _LOG2E, B,
+        q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, float(scale) * _LOG2E, B,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         G=G, G_PAD=G_PAD, BLOCK_Q=BLOCK_Q, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D,
-        BLOCK_SIZE=block_size, BLOCK_B=_PREFILL_BLOCK_B, NUM_SPLITS=num_splits, PERSISTENT=bool(persistent),
-        PREC=dot_precision(q.dtype),
+        BLOCK_SIZE=block_size, BLOCK_B=_PREFILL_BLOCK_B, PERSISTENT=bool(persistent), PREC=dot_precision(q.dtype),
         UPCAST=upcast_dots(q.dtype), num_warps=warps, num_stages=stages,
     )
-    if num_splits > 1:
-        _decode_reduce_kernel[(T, H)](part_o, part_lse, out, out.stride(0), out.stride(1), cu_seqlens_q, B,
-                                      NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits), HEAD_DIM=D,
-                                      SKIP_EMPTY=False, ROWS_FROM_CU=True, num_warps=4)
     return out
 
 
@@ -598,7 +547,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     part_lse = workspace[B * H * num_splits * D: need]
     _decode_kernel[grid](q, k_cache, v_cache, out, part_o, part_lse, seq_lens, block_tables,
                          seq_lens if order is None else order, qk_scale, *strides, **common)
-    _decode_reduce_kernel[(B, H)](part_o, part_lse, out, out.stride(0), out.stride(1), seq_lens, 0,
+    _decode_reduce_kernel[(B, H)](part_o, part_lse, out, out.stride(0), out.stride(1),
                                   NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits), HEAD_DIM=D,
-                                  SKIP_EMPTY=bool(skip_empty), ROWS_FROM_CU=False, num_warps=4)
+                                  SKIP_EMPTY=bool(skip_empty), num_warps=4)
     return out

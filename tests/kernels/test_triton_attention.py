@@ -139,45 +139,36 @@ def test_prefill_leading_rows_without_sequence(device):
     torch.testing.assert_close(out[70:], ref[70:], **TOL[torch.float32])
 
 
-@pytest.mark.parametrize("num_splits,persistent", [(2, False), (5, False), (1, True), (2, True), (5, True)])
 @pytest.mark.parametrize("block_size,H,Hkv,D,dtype", [
     (16, 8, 2, 32, torch.float32),    # GQA 4, per-key block lookup
     (64, 6, 2, 16, torch.float32),    # GQA 3 (padded heads), one block per KV tile
     (32, 4, 1, 64, torch.bfloat16),
 ])
-def test_prefill_kv_splits_and_persistent_grid_match_reference(device, num_splits, persistent, block_size, H, Hkv,
-                                                                D, dtype):
-    """KV-split varlen path (partials + reduce) and the persistent grid (programs loop over exactly numbered
-    tiles; with 5 splits there are more work items than programs): short chunks over long prefixes, a fresh
-    prompt whose first tiles see fewer keys than there are splits, padding (seq_len 0), and leading sequences
-    without queries (a mixed step's decode rows): their rows stay untouched, everything else matches the
-    reference."""
+def test_prefill_persistent_grid_matches_reference(device, block_size, H, Hkv, D, dtype):
+    """The persistent grid (a fixed number of programs looping over exactly numbered query tiles): short chunks
+    over long prefixes, a fresh prompt, padding (seq_len 0) and leading sequences without queries (a mixed step's
+    decode rows), with more tiles than programs. Rows outside cu[0]..cu[-1] stay untouched, the rest matches the
+    reference and the one-program-per-tile grid."""
+    from nanovllm.kernels import attention
     specs = [(40, 1)] * 3 + [(300, 37), (96, 96), (0, 1), (133, 5), (70, 20)]
-    batch = make_batch(specs, H, Hkv, D, block_size, dtype, device, seed=num_splits + D)
+    batch = make_batch(specs, H, Hkv, D, block_size, dtype, device, seed=D + block_size)
     ref = reference(batch, D ** -0.5)
     cu = batch["cu_seqlens_q"].clone()
     cu[:4] = 3                                             # the three one-token rows: no sequence's queries
+    args = (batch["q"], batch["k_cache"], batch["v_cache"], cu, batch["seq_lens"], batch["block_tables"], D ** -0.5,
+            batch["max_seqlen_q"])
     out = torch.full_like(batch["q"], float("nan"))
-    ws = torch.full((decode_workspace_numel(out.shape[0], H, D, num_splits),), float("nan"), device=device)
-    res = paged_prefill_attention(batch["q"], batch["k_cache"], batch["v_cache"], cu, batch["seq_lens"],
-                                  batch["block_tables"], D ** -0.5, batch["max_seqlen_q"], out=out,
-                                  num_splits=num_splits, workspace=ws, persistent=persistent)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attention, "sm_count", lambda _device: 2)   # a grid of one program per KV head: every program
+        res = paged_prefill_attention(*args, out=out, persistent=True)  # loops over several tiles
     assert res is out
     assert out[:3].isnan().all()
     assert not out[3:].isnan().any()
     torch.testing.assert_close(out[3:], ref[3:], **TOL[dtype])
-    pad = 3 + 37 + 96
-    assert (out[pad] == 0).all()  # seq_len 0 -> zeros
-    # the single-pass kernel agrees, and the split count is validated
-    one = run_prefill(dict(batch, cu_seqlens_q=cu), D ** -0.5)
-    torch.testing.assert_close(out[3:], one[3:], **TOL[dtype])
-    with pytest.raises(ValueError, match="num_splits"):
-        paged_prefill_attention(batch["q"], batch["k_cache"], batch["v_cache"], cu, batch["seq_lens"],
-                                batch["block_tables"], D ** -0.5, batch["max_seqlen_q"], num_splits=0)
-    with pytest.raises(ValueError, match="workspace"):
-        paged_prefill_attention(batch["q"], batch["k_cache"], batch["v_cache"], cu, batch["seq_lens"],
-                                batch["block_tables"], D ** -0.5, batch["max_seqlen_q"], num_splits=2,
-                                workspace=ws[:10])
+    assert (out[3 + 37 + 96] == 0).all()  # seq_len 0 -> zeros
+    tiles = torch.full_like(batch["q"], float("nan"))
+    paged_prefill_attention(*args, out=tiles)
+    torch.testing.assert_close(out[3:], tiles[3:], **TOL[dtype])
 
 
 def test_prefill_defaults_allocate_output(device):
