@@ -188,7 +188,8 @@ def _prefill_kernel(
                 offs_b = b0 + tl.arange(0, BLOCK_B)
                 n = _seq_tiles(CU, offs_b, num_seqs, BLOCK_Q)
                 start = tl.cumsum(n, axis=0) - n + carry
-                hit = (n > 0) & (start <= t)               # the last hit is this tile's sequence
+                # the last hit is this tile's sequence (one without tiles shares the next one's start)
+                hit = start <= t
                 b = tl.maximum(b, tl.max(tl.where(hit, offs_b, 0), axis=0))
                 first = tl.maximum(first, tl.max(tl.where(hit, start, 0), axis=0))
                 carry += tl.sum(n, axis=0)

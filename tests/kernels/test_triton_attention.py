@@ -94,13 +94,18 @@ def test_prefill_mixed_batch(device, block_size, H, Hkv, D, dtype):
     assert (out[pad] == 0).all()  # seq_len 0 -> zeros
 
 
-def test_prefill_more_sequences_than_one_lookup_block(device):
-    """More sequences than the kernel's tile -> sequence search handles at once (it loops)."""
+@pytest.mark.parametrize("persistent", [False, True])
+def test_prefill_more_sequences_than_one_lookup_block(device, persistent):
+    """More sequences than the kernel's tile -> sequence search handles at once (it loops; the persistent grid's
+    tile numbering carries across those blocks)."""
     from nanovllm.kernels.attention import _PREFILL_BLOCK_B
     n = _PREFILL_BLOCK_B + 9
     specs = [(3 + i % 5, 1 + i % 2) for i in range(n)]
     batch = make_batch(specs, 2, 1, 16, 16, torch.float32, device, seed=11)
-    torch.testing.assert_close(run_prefill(batch, 0.25), reference(batch, 0.25), **TOL[torch.float32])
+    out = paged_prefill_attention(batch["q"], batch["k_cache"], batch["v_cache"], batch["cu_seqlens_q"],
+                                  batch["seq_lens"], batch["block_tables"], 0.25, batch["max_seqlen_q"],
+                                  persistent=persistent)
+    torch.testing.assert_close(out, reference(batch, 0.25), **TOL[torch.float32])
 
 
 def test_prefill_strided_inputs_and_long_sequence(device):
