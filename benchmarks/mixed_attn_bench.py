@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from nanovllm.attention.torch_ref import paged_attention_ref  # noqa: E402
+from nanovllm.engine.gemm_plan import graph_seconds  # noqa: E402
 from nanovllm.kernels.attention import paged_decode_attention, paged_prefill_attention  # noqa: E402
 
 H, HKV, D, BS, LAYERS = 32, 8, 128, 256, 8
@@ -110,20 +111,8 @@ def variant(case, kind, side, persistent=False, dec_splits=1, order=False):
 
 
 def time_graph(run, reps=30):
-    run()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run()
-    for _ in range(3):
-        g.replay()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / reps / LAYERS * 1000  # us per layer
+    """Microseconds per layer of `run` (all LAYERS layers), replayed from a CUDA graph."""
+    return graph_seconds(run, reps) / LAYERS * 1e6
 
 
 def main():
