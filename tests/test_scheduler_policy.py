@@ -183,3 +183,34 @@ def test_mixed_step_switches_checked_on_every_device(tiny_ckpt, monkeypatch, nam
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=f"{name} must be .*got '{value}'"):
         LLM(tiny_ckpt("qwen3"), device="cpu", dtype="float32", attention_backend="triton")
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_balanced_hold_in_the_engine_gives_fcfs_tokens(tiny_ckpt, monkeypatch, async_scheduling):
+    """End to end on a tiny model (float32, CPU): the balanced policy with its last-token hold computes prompts
+    ahead and starts requests late, and every request's greedy tokens are those of fcfs (whose tokens the
+    parity tests check against transformers)."""
+    from nanovllm import LLM
+    path = tiny_ckpt("qwen3")
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(n)] for i, n in enumerate([5, 40, 17, 90, 33, 61])]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (3, 24, 9, 30, 14, 6)]
+    ref = LLM(path, device="cpu", dtype="float32", scheduling_policy="fcfs").generate(prompts, params,
+                                                                                     use_tqdm=False)
+    llm = LLM(path, device="cpu", dtype="float32", scheduling_policy="balanced", max_num_batched_tokens=64,
+              async_scheduling=async_scheduling)
+    sched = llm.engine.scheduler
+    held = []  # per step: sequences whose last prompt token waited (running, one prompt token left, unscheduled)
+    schedule = sched.schedule
+
+    def spy():
+        out = schedule()
+        scheduled = {id(s) for s in out.seqs}
+        held.append(sum(1 for s in sched.running if id(s) not in scheduled and not s.num_output_tokens
+                        and s.num_tokens - s.num_computed_tokens == 1))
+        return out
+    monkeypatch.setattr(sched, "schedule", spy)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o["token_ids"] for o in outs] == [o["token_ids"] for o in ref]
+    assert [len(o["token_ids"]) for o in outs] == [3, 24, 9, 30, 14, 6]
+    # requests waited with only their last prompt token left (13 request-steps, up to 2 at once, here)
+    assert max(held) >= 2 and sum(held) >= 10
