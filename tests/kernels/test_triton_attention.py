@@ -149,7 +149,7 @@ def test_prefill_leading_rows_without_sequence(device):
     (64, 6, 2, 16, torch.float32),    # GQA 3 (padded heads), one block per KV tile
     (32, 4, 1, 64, torch.bfloat16),
 ])
-def test_prefill_persistent_grid_matches_reference(device, block_size, H, Hkv, D, dtype):
+def test_prefill_persistent_grid_matches_reference(device, monkeypatch, block_size, H, Hkv, D, dtype):
     """The persistent grid (a fixed number of programs looping over exactly numbered query tiles): short chunks
     over long prefixes, a fresh prompt, padding (seq_len 0) and leading sequences without queries (a mixed step's
     decode rows), with more tiles than programs. Rows outside cu[0]..cu[-1] stay untouched, the rest matches the
@@ -162,17 +162,16 @@ def test_prefill_persistent_grid_matches_reference(device, block_size, H, Hkv, D
     cu[:4] = 3                                             # the three one-token rows: no sequence's queries
     args = (batch["q"], batch["k_cache"], batch["v_cache"], cu, batch["seq_lens"], batch["block_tables"], D ** -0.5,
             batch["max_seqlen_q"])
+    tiles = torch.full_like(batch["q"], float("nan"))
+    paged_prefill_attention(*args, out=tiles)                  # one program per possible tile
     out = torch.full_like(batch["q"], float("nan"))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(attention, "sm_count", lambda _device: 2)   # a grid of one program per KV head: every program
-        res = paged_prefill_attention(*args, out=out, persistent=True)  # loops over several tiles
+    monkeypatch.setattr(attention, "sm_count", lambda _device: 2)  # 2-4 programs per KV head for its 8-13 tiles:
+    res = paged_prefill_attention(*args, out=out, persistent=True)  # every program loops over several tiles
     assert res is out
     assert out[:3].isnan().all()
     assert not out[3:].isnan().any()
     torch.testing.assert_close(out[3:], ref[3:], **TOL[dtype])
     assert (out[3 + 37 + 96] == 0).all()  # seq_len 0 -> zeros
-    tiles = torch.full_like(batch["q"], float("nan"))
-    paged_prefill_attention(*args, out=tiles)
     torch.testing.assert_close(out[3:], tiles[3:], **TOL[dtype])
 
 
