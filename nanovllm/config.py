@@ -96,7 +96,8 @@ SCHEDULING_POLICIES = ("fcfs", "balanced")  # see nanovllm.engine.scheduler
 
 # scheduling_policy="auto" picks "balanced" from this many bytes of weights per GPU. Measured on an H200
 # (benchmarks/RESULTS.md run 17), balanced against fcfs: Qwen3-8B at TP=1 (16.4 GB per GPU) +3-5%, at TP=2
-# (8.2 GB per GPU) -2%, Qwen3-0.6B (1.2 GB) -16%.
+# (8.2 GB per GPU) -2%, Qwen3-0.6B (1.2 GB) -16%. (Run 18's last-token hold raised TP=1 further; TP=2 and
+# 0.6B were not measured again.)
 BALANCED_MIN_WEIGHT_BYTES = 12 << 30
 
 

@@ -345,15 +345,15 @@ class ModelRunner:
         else:
             width = max((len(t) for t in batch.block_tables), default=1)
             v = self.staging.upload(batch, Layout.make(batch.num_tokens, n, width, S, len(batch.sampling.banned)))
+            # (the launch order is packed for every step; only the decode kernel reads it)
             meta = AttentionMetadata(v["slots"], v["cu"], v["seq_lens"], v["tables"].view(n, width),
                                      max_seqlen_q=batch.max_seqlen_q, is_decode=batch.is_decode,
-                                     decode_order=v["order"] if batch.is_decode and self.decode_order else None)
+                                     decode_order=v["order"] if self.decode_order else None)
             if batch.num_decode and not batch.is_decode:
                 # the one-token sequences through the decode kernel with the mixed graphs' options (one KV split,
                 # the launch order), whose variant is compiled at their capture: another (a split count varying
                 # with the step, or no order) would compile mid-run, ~0.6 s (benchmarks/RESULTS.md run 18)
                 meta.decode_lens, meta.prefill_cu, meta.decode_splits = v["dec_lens"], v["cu_pre"], 1
-                meta.decode_order = v["order"] if self.decode_order else None
             ids = self._input_ids(v) if batch.placeholder_pos else v["ids"]
             if not S:
                 self.model(ids, v["pos"], meta)                                # fills the KV cache; nothing samples

@@ -87,8 +87,8 @@ def pack(batch: StepBatch, layout: Layout, host: torch.Tensor) -> None:
     arr["seq_lens"][:B] = batch.seq_lens
     if layout.B > B:
         arr["seq_lens"][B:] = 0
+    nd = B if batch.is_decode else batch.num_decode  # the leading one-token sequences
     if not batch.is_decode:  # a mixed step's split between the decode and the varlen kernel (AttentionMetadata)
-        nd = batch.num_decode
         arr["dec_lens"][:nd] = batch.seq_lens[:nd]
         arr["dec_lens"][nd:] = 0
         cu_pre = arr["cu_pre"]
@@ -96,7 +96,6 @@ def pack(batch: StepBatch, layout: Layout, host: torch.Tensor) -> None:
         cu_pre[nd + 1:B + 1] = batch.cu_seqlens_q[nd + 1:]
         cu_pre[B + 1:] = batch.cu_seqlens_q[-1]
     # the decode kernel launches the longest sequences first; padding (and a mixed step's chunks) last
-    nd = B if batch.is_decode else batch.num_decode
     order = arr["order"]
     order[:nd] = np.argsort(-np.asarray(batch.seq_lens[:nd]), kind="stable")
     order[nd:] = np.arange(nd, layout.B)
