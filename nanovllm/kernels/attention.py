@@ -226,15 +226,17 @@ def _prefill_kernel(
 # decode (one query per sequence), optionally split along the KV length
 # ----------------------------------------------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _decode_kernel(
-    Q, K, V, Out, PART_O, PART_LSE, SEQ_LENS, BT, ORDER, qk_scale,
+    Q, K, V, Out, PART_O, PART_LSE, SEQ_LENS, BT, ORDER, qk_scale, num_splits,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt,
     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
     HEADS_FIRST: tl.constexpr, USE_ORDER: tl.constexpr, SKIP_EMPTY: tl.constexpr,
 ):
+    # SPLIT: num_splits > 1 programs per sequence write partial results for _decode_reduce_kernel; the count
+    # itself is a runtime value, so every split count shares one compiled variant
     # HEADS_FIRST: grid (Hkv, B, splits), so the programs of one sequence's KV heads are launched together
     if HEADS_FIRST:
         kvh = tl.program_id(0)
@@ -249,8 +251,8 @@ def _decode_kernel(
         b = tl.load(ORDER + b)
     split = tl.program_id(2)
     seq_len = tl.load(SEQ_LENS + b).to(tl.int32)
-    # each sequence's own length is split evenly (in whole tiles) over the NUM_SPLITS programs
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    # each sequence's own length is split evenly (in whole tiles) over the num_splits programs
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
@@ -280,31 +282,30 @@ def _decode_kernel(
 
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         keep = g_ok
         if SKIP_EMPTY:
             keep = offs_g < tl.where(seq_len > 0, G, 0)
         tl.store(Out + b64 * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(Out.dtype.element_ty), mask=keep[:, None])
     else:
-        # workspace: PART_O (B, H, NUM_SPLITS, D), PART_LSE (B, H, NUM_SPLITS), contiguous float32
-        idx = (b64 * H + head) * NUM_SPLITS + split
+        # workspace: PART_O (B, H, num_splits, D), PART_LSE (B, H, num_splits), contiguous float32
+        idx = (b64 * H + head) * num_splits + split
         tl.store(PART_O + idx[:, None] * HEAD_DIM + offs_d[None, :], out, mask=g_ok[:, None])
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(PART_LSE + idx, lse, mask=g_ok)
 
 
-@triton.jit
-def _decode_reduce_kernel(PART_O, PART_LSE, Out, stride_ob, stride_oh,
-                          NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          SKIP_EMPTY: tl.constexpr):
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_reduce_kernel(PART_O, PART_LSE, Out, stride_ob, stride_oh, num_splits,
+                          SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, SKIP_EMPTY: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     H = tl.num_programs(1)
     offs_s = tl.arange(0, SPLITS_PAD)
-    s_ok = offs_s < NUM_SPLITS
+    s_ok = offs_s < num_splits
     offs_d = tl.arange(0, HEAD_DIM)
-    base = (b * H + h) * NUM_SPLITS
+    base = (b * H + h) * num_splits
     lse = tl.load(PART_LSE + base + offs_s, mask=s_ok, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)        # seq_len 0: every split empty -> zeros
@@ -525,7 +526,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     BLOCK_G = max(16, next_pow2(G))  # tl.dot needs M >= 16; padded rows are masked
     BLOCK_N, warps, stages, heads_first = _decode_launch(D, q.dtype)
     prec = dot_precision(q.dtype)
-    common = dict(G=G, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, HEAD_DIM=D, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+    common = dict(G=G, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, HEAD_DIM=D, BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
                   PREC=prec, UPCAST=upcast_dots(q.dtype), HEADS_FIRST=heads_first, USE_ORDER=order is not None,
                   SKIP_EMPTY=bool(skip_empty), num_warps=warps, num_stages=stages)
     grid = (Hkv, B, num_splits) if heads_first else (B, Hkv, num_splits)
@@ -534,7 +535,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     qk_scale = float(scale) * _LOG2E
     if num_splits == 1:
         _decode_kernel[grid](q, k_cache, v_cache, out, out, out, seq_lens, block_tables,
-                             seq_lens if order is None else order, qk_scale, *strides, **common)
+                             seq_lens if order is None else order, qk_scale, 1, *strides, **common)
         return out
     need = decode_workspace_numel(B, H, D, num_splits)
     if workspace is None:
@@ -547,8 +548,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     part_o = workspace[: B * H * num_splits * D]
     part_lse = workspace[B * H * num_splits * D: need]
     _decode_kernel[grid](q, k_cache, v_cache, out, part_o, part_lse, seq_lens, block_tables,
-                         seq_lens if order is None else order, qk_scale, *strides, **common)
-    _decode_reduce_kernel[(B, H)](part_o, part_lse, out, out.stride(0), out.stride(1),
-                                  NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits), HEAD_DIM=D,
+                         seq_lens if order is None else order, qk_scale, num_splits, *strides, **common)
+    # one padded width for every split count up to _MAX_SPLITS: one compiled variant
+    _decode_reduce_kernel[(B, H)](part_o, part_lse, out, out.stride(0), out.stride(1), num_splits,
+                                  SPLITS_PAD=next_pow2(max(num_splits, _MAX_SPLITS)), HEAD_DIM=D,
                                   SKIP_EMPTY=bool(skip_empty), num_warps=4)
     return out

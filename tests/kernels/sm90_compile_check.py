@@ -57,7 +57,7 @@ def build(fn, types: dict, consts: dict, **options) -> None:
     t0 = time.time()
     k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=TARGET, options=options)
     shown = {a: b for a, b in consts.items() if a in ("G", "BLOCK_M", "BLOCK_N", "HEAD_DIM", "BLOCK_SIZE",
-                                                      "NUM_SPLITS", "BLOCK", "H", "HKV", "HAS_NORM")}
+                                                      "SPLIT", "BLOCK", "H", "HKV", "HAS_NORM")}
     print(f"  {fn.__name__:24s} {shown} warps={options.get('num_warps')} smem={k.metadata.shared} "
           f"{_resources(k.asm['cubin'])} ({time.time() - t0:.1f}s)")
 
@@ -79,13 +79,13 @@ def check(dt: str) -> None:
                    BLOCK_B=64, PREC=prec, UPCAST=False), num_warps=warps, num_stages=stages)
         for splits in (1, 8):
             build(attention._decode_kernel, {**ptrs, "PART_O": "*fp32", "PART_LSE": "*fp32", "SEQ_LENS": "*i32",
-                                             "BT": "*i32", "qk_scale": "fp32"},
+                                             "ORDER": "*i32", "BT": "*i32", "qk_scale": "fp32"},
                   dict(G=G, BLOCK_G=max(16, g_pad), BLOCK_N=attention._decode_block_n(D, dtype), HEAD_DIM=D,
-                       BLOCK_SIZE=bs, NUM_SPLITS=splits, PREC=prec, UPCAST=False, HEADS_FIRST=splits == 1,
+                       BLOCK_SIZE=bs, SPLIT=splits > 1, PREC=prec, UPCAST=False, HEADS_FIRST=splits == 1,
                        USE_ORDER=splits == 1, SKIP_EMPTY=splits == 8),
                   num_warps=4, num_stages=2)
         build(attention._decode_reduce_kernel, {"PART_O": "*fp32", "PART_LSE": "*fp32", "Out": f"*{dt}"},
-              dict(NUM_SPLITS=8, SPLITS_PAD=8, HEAD_DIM=D, SKIP_EMPTY=True), num_warps=4)
+              dict(SPLITS_PAD=32, HEAD_DIM=D, SKIP_EMPTY=True), num_warps=4)
     build(kvcache._store_kvcache_kernel, {"K": f"*{dt}", "V": f"*{dt}", "KC": f"*{dt}", "VC": f"*{dt}",
                                           "SLOTS": "*i64"},
           dict(BLOCK_SIZE=16, HEAD_DIM=128, D_PAD=128, BLOCK_H=8), num_warps=4)

@@ -207,6 +207,43 @@ def test_decode(device, block_size, H, Hkv, D, dtype, num_splits):
     assert (out[2] == 0).all()
 
 
+def test_decode_split_counts_share_one_variant(device, monkeypatch):
+    """The KV split count is a runtime argument: every count > 1 launches the decode and reduce kernels with the
+    same compile-time options (a graph capture over many batch sizes, each with its own count, compiles one split
+    variant instead of one per count: cold start-up, benchmarks/RESULTS.md run 19), and each count is exact,
+    also past the reduce kernel's padded width (40 > 32)."""
+    from nanovllm.kernels import attention
+
+    launches = []
+
+    class Spy:
+        def __init__(self, name, fn):
+            self.name, self.fn = name, fn
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launches.append((self.name, tuple(sorted(kw.items()))))
+                return self.fn[grid](*args, **kw)
+            return launch
+    for name in ("_decode_kernel", "_decode_reduce_kernel"):
+        fn = getattr(attention, name)
+        monkeypatch.setattr(attention, name, Spy(name, fn))
+        params = getattr(fn, "params", None)  # a compiled (not interpreted) kernel: the count is not specialized
+        if params is not None:
+            assert "num_splits" in {p.name for p in params if p.do_not_specialize}
+    batch = make_batch([(700, 1), (1, 1), (0, 1), (333, 1)], 4, 2, 32, 16, torch.float32, device, seed=5)
+    args = (batch["q"], batch["k_cache"], batch["v_cache"], batch["seq_lens"], batch["block_tables"], 0.3)
+    ref = reference(batch, 0.3)
+    options = {}
+    for splits in (2, 5, 16, 40):
+        launches.clear()
+        torch.testing.assert_close(paged_decode_attention(*args, num_splits=splits), ref, **TOL[torch.float32])
+        for name, kw in launches:
+            options.setdefault(name, set()).add(kw)
+    assert {name: len(kws) for name, kws in options.items()} == {"_decode_kernel": 1, "_decode_reduce_kernel": 2}
+    # (the reduce kernel's width is padded to 32 up to 32 splits: 40 needs the next power of two)
+
+
 @pytest.mark.parametrize("heads_first", [0, 1])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_grid_orders(device, monkeypatch, heads_first, num_splits):
