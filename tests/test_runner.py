@@ -48,7 +48,8 @@ def test_banned_tokens_without_room_in_the_staging_layout(tiny_ckpt):
 def test_mixed_graph_forward_matches_the_eager_step(tiny_ckpt, monkeypatch):
     """What a mixed-step CUDA graph runs (`_mixed_forward` over a padded layout: decode rows through the decode
     kernel, the chunk through the varlen kernel's persistent grid, empty padding sequences), run here without the
-    graph on the CPU interpreter: the eager step's logits and greedy tokens, and the same decode-kernel variant."""
+    graph on the CPU interpreter, then the LM head on the sampled rows as a replay does: the eager step's logits and
+    greedy tokens, and the same decode-kernel variant."""
     pytest.importorskip("triton")
     import math
 
@@ -88,7 +89,7 @@ def test_mixed_graph_forward_matches_the_eager_step(tiny_ckpt, monkeypatch):
         variants.append((kw.get("num_splits"), kw.get("skip_empty"), kw.get("order") is not None))
         return decode(*args, **kw)
     monkeypatch.setattr(runner.backend.k, "paged_decode_attention", spy)  # (the kernels module: restored after)
-    logits = runner._mixed_forward(128, v)[:len(batch.sample_rows)]
+    logits = runner.model.compute_logits(runner._mixed_forward(128, v)[:len(batch.sample_rows)])
     graph_variants, variants[:] = set(variants), []
     eager = []
     sampler = runner.sampler

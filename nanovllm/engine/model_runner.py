@@ -86,7 +86,12 @@ class ModelRunner:
         # mixed graphs: the varlen kernel on a fixed grid looping over the chunks' tiles, not one program per
         # possible tile of the graph's hundreds of sequences (NANOVLLM_PREFILL_PERSISTENT=0: the latter)
         self.mixed_prefill_persistent = _env_switch("NANOVLLM_PREFILL_PERSISTENT")
+        # mixed graphs: the LM head on the step's sampled rows only, after the replay (NANOVLLM_MIXED_LM_TRIM=0:
+        # on every row of the graph, as inside it before)
+        self.mixed_lm_trim = _env_switch("NANOVLLM_MIXED_LM_TRIM")
+        t0 = time.perf_counter()
         self.num_kvcache_blocks = self._allocate_kv_cache()  # (its warm-up steps run eagerly: no graphs yet)
+        self.kv_seconds = time.perf_counter() - t0  # KV sizing, incl. the warm-up steps' kernel compiles
         self.capture_seconds = self.gemm_plan_seconds = 0.0
         self.gemm_plan: dict = {}
         if self.device.type == "cuda" and not config.args.enforce_eager:
@@ -251,18 +256,18 @@ class ModelRunner:
         self.g_stage = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         self.g_cu = torch.arange(max_bs + 1, dtype=torch.int32, device=self.device)
         self.g_logits: dict[int, torch.Tensor] = {}
-        self.m_logits: dict[int, torch.Tensor] = {}
+        self.m_hidden: dict[int, torch.Tensor] = {}
         pool = None
         # largest first, all in one memory pool; the staging bytes are zeros here (every sequence empty)
-        kinds = ((self.mixed_graphs, self.m_logits, self.mixed_layouts, self._mixed_forward, self.mixed_sizes),
+        kinds = ((self.mixed_graphs, self.m_hidden, self.mixed_layouts, self._mixed_forward, self.mixed_sizes),
                  (self.graphs, self.g_logits, self.graph_layouts, self._graph_forward, self.graph_sizes))
-        for graphs, logits, layouts, forward, sizes in kinds:
+        for graphs, outputs, layouts, forward, sizes in kinds:
             for size in reversed(sizes):
                 v = layouts[size].views(self.g_stage)
                 forward(size, v)  # warm up
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool):
-                    logits[size] = forward(size, v)
+                    outputs[size] = forward(size, v)
                 pool = graph.pool()
                 graphs[size] = graph
                 torch.cuda.synchronize()
@@ -276,16 +281,16 @@ class ModelRunner:
 
     def _mixed_forward(self, rows: int, v: dict) -> torch.Tensor:
         """A mixed step (prefill chunks and decode rows) of up to `rows` tokens: the one-token sequences attend
-        through the decode kernel, the chunks through the varlen kernel (AttentionMetadata); logits for the
-        sampled rows (`last`, padded with row 0)."""
+        through the decode kernel, the chunks through the varlen kernel (AttentionMetadata); the final hidden
+        states of the sampled rows (`last`, padded with row 0). The LM head runs outside the graph, on the step's
+        sampled rows only: early in a balanced run a step samples a few dozen of the graph's 256 rows."""
         B = self.mixed_layouts[rows].B
         meta = AttentionMetadata(v["slots"], v["cu"], v["seq_lens"], v["tables"].view(B, self.graph_width),
                                  max_seqlen_q=rows, is_decode=False, decode_lens=v["dec_lens"],
                                  prefill_cu=v["cu_pre"], decode_splits=self._decode_splits(B),
                                  prefill_persistent=self.mixed_prefill_persistent,
                                  decode_order=v["order"] if self.decode_order else None)
-        hidden = self.model(self._input_ids(v), v["pos"], meta)[v["last"]]
-        return self.model.compute_logits(hidden, gather=self.tp.size == 1)          # (B, V | shard)
+        return self.model(self._input_ids(v), v["pos"], meta)[v["last"]]              # (B, hidden)
 
     def _input_ids(self, v: dict) -> torch.Tensor:
         """The step's token ids, with each placeholder (async scheduling) read from the previous step's sampled
@@ -341,7 +346,8 @@ class ModelRunner:
             rows = self.mixed_sizes[bisect.bisect_left(self.mixed_sizes, batch.num_tokens)]
             v = self.staging.upload(batch, self.mixed_layouts[rows], self.g_stage)
             self.mixed_graphs[rows].replay()
-            logits = self.m_logits[rows][:S]                                   # (S, vocab | shard)
+            hidden = self.m_hidden[rows][:S] if self.mixed_lm_trim else self.m_hidden[rows]
+            logits = self.model.compute_logits(hidden, gather=self.tp.size == 1)[:S]  # (S, vocab | shard)
         else:
             width = max((len(t) for t in batch.block_tables), default=1)
             v = self.staging.upload(batch, Layout.make(batch.num_tokens, n, width, S, len(batch.sampling.banned)))
@@ -404,7 +410,7 @@ class ModelRunner:
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = None
         self.graphs, self.mixed_graphs = {}, {}  # (their memory pool goes with the last of them)
-        self.g_logits, self.m_logits = {}, {}
+        self.g_logits, self.m_hidden = {}, {}
         self.model = self.kv_cache = self.g_stage = self.g_cu = self.staging = self.sampled_buf = None
         self.attn_layers = []
         if self.device.type == "cuda":
