@@ -130,12 +130,15 @@ def main(argv=None) -> dict:
         "peak_gpu_mem_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         "startup_s": round(startup, 2), "cuda_graph_capture_s": round(getattr(runner, "capture_seconds", 0.0), 2),
         "gemm_plan_s": round(getattr(runner, "gemm_plan_seconds", 0.0), 2),
+        "load_s": round(getattr(runner, "load_seconds", 0.0), 2),
+        "kv_sizing_s": round(getattr(runner, "kv_seconds", 0.0), 2),
         "kv_blocks": eng.block_manager.num_blocks, "preemptions": eng.scheduler.num_preemptions,
         "async_scheduling": eng.async_scheduling,
     }
     print(f"{res['model']}: {n_out} tokens in {elapsed:.2f}s = {res['output_tok_s']:.0f} output tok/s | "
           f"{res['achieved_GB_s']} GB/s over {steps['n']} steps | peak {res['peak_gpu_mem_GiB']} GiB | "
-          f"startup {startup:.1f}s (graphs {res['cuda_graph_capture_s']}s, GEMM plan {res['gemm_plan_s']}s)")
+          f"startup {startup:.1f}s (model {res['load_s']}s, KV sizing {res['kv_sizing_s']}s, "
+          f"GEMM plan {res['gemm_plan_s']}s, graphs {res['cuda_graph_capture_s']}s)")
     if isinstance(getattr(runner, "gemm_plan", None), dict):
         from nanovllm.engine.gemm_plan import describe
         print("GEMM plan:", describe(runner.gemm_plan))

@@ -6,6 +6,7 @@
 #        gemmsweep parity_trained_lt kernel_tests_mm bench8noplan profile8gaps bench8tp2noplan bench06chunk16k bench8tp2chunk16k bench06fresh
 #        bench06noplan bench06noplanfresh bench8bal bench06bal bench8tp2bal policy_check policy_check_tp2 bench8ov (OVERLAP=0|1) bench8pre (PREFILL_ATTN=BM,BN,W,S) bench8fcfs bench8tp2fcfs prof8bal (MIXED_STEP=32|64|128)
 #        mixedattn mixedtiles kernel_tests_varlen bench8persist (PERSIST=0|1) bench8nohold
+#        bench8lmtrim (LMTRIM=0|1) bench8kv (KVHM=0|1, DECODE_ATTN=BLOCK_N,WARPS,STAGES) headoverlap ltsearch kvlayout
 # (default: env kernels parity bench06 profile06 bench8). online06 needs fastapi/uvicorn: carry .whl and
 # start the command with the wheel install from the device README.
 # Logs go to $OUT (or ./gpu_out); each step has its own time limit and a failure doesn't stop the rest.
@@ -24,7 +25,7 @@ run() {  # name, limit_s, command...
 }
 for s in $steps; do
   case $s in
-    env) run env 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv; python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"' ;;
+    env) run env 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,power.limit,power.max_limit,temperature.gpu,pstate --format=csv; python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"' ;;
     kernels) run kernels 240 python3 benchmarks/kernel_check.py ;;
     kernel_tests) run kernel_tests 400 python3 -m pytest tests/kernels -q -x ;;
     kernel_tests_attn_ar) run kernel_tests_attn_ar 300 python3 -m pytest tests/kernels/test_triton_attention.py tests/kernels/test_triton_ar_norm.py -q -x ;;
@@ -32,6 +33,11 @@ for s in $steps; do
     parity_trained) run parity_trained 300 python3 benchmarks/parity_bf16.py --model trained ;;
     parity_trained_lt) NANOVLLM_BLAS=cublaslt run parity_trained_lt 300 python3 benchmarks/parity_bf16.py --model trained ;;
     kernel_tests_mm) run kernel_tests_mm 200 python3 -m pytest tests/kernels/test_triton_matmul.py -q -x ;;
+    bench8kv) TAIL=12 NANOVLLM_KV_HEAD_MAJOR=${KVHM:-1} NANOVLLM_DECODE_ATTN=${DECODE_ATTN:-} run bench8kv${KVHM:-1}${DECODE_ATTN:+-$DECODE_ATTN} 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-} kv head-major ${KVHM:-1} decode cfg ${DECODE_ATTN:-default}" --step-log "$OUT/steps8kv${KVHM:-1}.json" --gpu-idle ;;
+    bench8lmtrim) TAIL=12 NANOVLLM_MIXED_LM_TRIM=${LMTRIM:-1} run bench8lmtrim${LMTRIM:-1} 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-} mixed LM head trim ${LMTRIM:-1}" --step-log "$OUT/steps8lmtrim${LMTRIM:-1}.json" --gpu-idle ;;
+    headoverlap) TAIL=30 run headoverlap 300 python3 benchmarks/head_overlap_bench.py --groups 1,2 ;;
+    ltsearch) TAIL=30 run ltsearch 300 python3 benchmarks/cublaslt_search.py --rows 192,256,384,512 ;;
+    kvlayout) TAIL=30 run kvlayout 300 python3 benchmarks/kv_layout_bench.py ;;
     bench8noplan) TAIL=40 NANOVLLM_GEMM_PLAN=0 run bench8noplan 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-} no GEMM plan" --step-log "$OUT/steps8noplan.json" ;;
     profile8gaps) TAIL=10 NANOVLLM_PROFILE_STEPS="$OUT/prof8-d150:150:2:decode,$OUT/prof8-d850:850:2:decode" run profile8gaps 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --label "${LABEL:-} profiled"
       for f in "$OUT"/prof8-d*.rank0.trace.json; do python3 benchmarks/kernel_gaps.py "$f" > "${f%.trace.json}.gaps.txt" 2>&1; cat "${f%.trace.json}.gaps.txt"; done ;;
