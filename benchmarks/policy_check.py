@@ -5,8 +5,10 @@ the tokens of the fcfs scheduler?
 
 A small random Qwen3 checkpoint (head_dim 128, GQA 4:1), prompts and output lengths of assorted sizes, greedy.
 Engine A: fcfs, eager (no CUDA graphs). Engine B: balanced, CUDA graphs (mixed steps replay the mixed graphs).
-In float32 both must agree on (nearly) every token; the script prints the agreement and how many of B's steps
-replayed a mixed graph. A last run with min_tokens checks that banned tokens reach the sampler from a graph step.
+Engine C: fcfs, CUDA graphs, with the large prefill steps' graphs (NANOVLLM_PREFILL_GRAPHS=1: steps of up to the
+2,048-token budget replay graphs of 1,024 and 2,048 tokens). In float32 B and C must agree with A on (nearly)
+every token; the script prints the agreement and how many steps replayed a mixed (or large) graph. A last run
+with min_tokens checks that banned tokens reach the sampler from a graph step.
 """
 from __future__ import annotations
 
@@ -40,22 +42,24 @@ def main():
                   tensor_parallel_size=ns.tensor_parallel_size)
     runs = {}
     for name, kw in (("fcfs eager", dict(scheduling_policy="fcfs", enforce_eager=True)),
-                     ("balanced graphs", dict(scheduling_policy="balanced"))):
+                     ("balanced graphs", dict(scheduling_policy="balanced")),
+                     ("fcfs graphs", dict(scheduling_policy="fcfs"))):
+        os.environ["NANOVLLM_PREFILL_GRAPHS"] = "1" if name == "fcfs graphs" else "0"
         llm = LLM(path, **common, **kw)
         runner = llm.engine.runner
-        replays = {"mixed": 0}
+        replays = {"mixed": 0, "large": 0}
         if getattr(runner, "mixed_graphs", None):  # (in this process: not under tensor parallelism)
-            for g in runner.mixed_graphs.values():
+            for rows, g in runner.mixed_graphs.items():
                 orig = g.replay
 
-                def counted(orig=orig, replays=replays):
-                    replays["mixed"] += 1
+                def counted(orig=orig, replays=replays, kind="mixed" if rows <= 512 else "large"):
+                    replays[kind] += 1
                     orig()
                 g.replay = counted
         outs = llm.generate(inputs, params, use_tqdm=False)
         runs[name] = [o["token_ids"] for o in outs]
-        print(f"{name}: mixed-graph replays {replays['mixed']} (counted without tensor parallelism), "
-              f"scheduler step sizes {llm.engine.scheduler.step_sizes}")
+        print(f"{name}: mixed-graph replays {replays['mixed']}, large-step graph replays {replays['large']} (counted "
+              f"without tensor parallelism), scheduler step sizes {llm.engine.scheduler.step_sizes}")
         if name == "balanced graphs":
             stop = [SamplingParams(temperature=0.0, max_tokens=40, min_tokens=30, stop_token_ids=[t])
                     for t in range(8)]
@@ -64,11 +68,15 @@ def main():
             print(f"min_tokens=30 with stop ids: output lengths {lens} (each must be >= 30)")
             assert all(n >= 30 for n in lens), lens
         llm.shutdown()
-    a, b = runs["fcfs eager"], runs["balanced graphs"]
-    same = sum(x == y for x, y in zip(a, b))
-    pos = sum(len(x) for x in a)
-    agree = sum(sum(p == q for p, q in zip(x, y)) for x, y in zip(a, b))
-    print(f"sequences identical: {same}/{len(a)}; positions identical: {agree}/{pos} ({100 * agree / pos:.2f}%)")
+    os.environ.pop("NANOVLLM_PREFILL_GRAPHS")
+    a = runs["fcfs eager"]
+    for name in ("balanced graphs", "fcfs graphs"):
+        b = runs[name]
+        same = sum(x == y for x, y in zip(a, b))
+        pos = sum(len(x) for x in a)
+        agree = sum(sum(p == q for p, q in zip(x, y)) for x, y in zip(a, b))
+        print(f"{name} vs fcfs eager: sequences identical: {same}/{len(a)}; positions identical: {agree}/{pos} "
+              f"({100 * agree / pos:.2f}%)")
 
 
 if __name__ == "__main__":

@@ -45,9 +45,11 @@ def test_banned_tokens_without_room_in_the_staging_layout(tiny_ckpt):
     assert t.temperatures.tolist() == [0.0, 0.0]  # (the views themselves, zeros here)
 
 
-def test_mixed_graph_forward_matches_the_eager_step(tiny_ckpt, monkeypatch):
+@pytest.mark.parametrize("rows", [128, 1024])
+def test_mixed_graph_forward_matches_the_eager_step(tiny_ckpt, monkeypatch, rows):
     """What a mixed-step CUDA graph runs (`_mixed_forward` over a padded layout: decode rows through the decode
-    kernel, the chunk through the varlen kernel's persistent grid, empty padding sequences), run here without the
+    kernel, the chunk through the varlen kernel's persistent grid (a large step's graph: its one-program-per-tile
+    grid), empty padding sequences), run here without the
     graph on the CPU interpreter, then the LM head on the sampled rows as a replay does: the eager step's logits and
     greedy tokens, and the same decode-kernel variant."""
     pytest.importorskip("triton")
@@ -78,8 +80,8 @@ def test_mixed_graph_forward_matches_the_eager_step(tiny_ckpt, monkeypatch):
     assert out.num_new_tokens[:2] == [1, 1] and out.num_new_tokens[2] > 1
     batch = build_step_batch(out, 16)
     runner.graph_width = math.ceil(256 / 16)
-    runner.mixed_layouts = {128: Layout.make(128, 8, runner.graph_width, 8)}
-    v = runner.staging.upload(batch, runner.mixed_layouts[128])
+    runner.mixed_layouts = {rows: Layout.make(rows, 8, runner.graph_width, 8)}
+    v = runner.staging.upload(batch, runner.mixed_layouts[rows])
     # the decode kernel's compile-time options in each path (an eager mixed step must reuse the graphs' variant:
     # another would compile mid-run on a GPU)
     variants = []
@@ -89,7 +91,15 @@ def test_mixed_graph_forward_matches_the_eager_step(tiny_ckpt, monkeypatch):
         variants.append((kw.get("num_splits"), kw.get("skip_empty"), kw.get("order") is not None))
         return decode(*args, **kw)
     monkeypatch.setattr(runner.backend.k, "paged_decode_attention", spy)  # (the kernels module: restored after)
-    logits = runner.model.compute_logits(runner._mixed_forward(128, v)[:len(batch.sample_rows)])
+    persistent = []
+    prefill = runner.backend.k.paged_prefill_attention
+
+    def spy_prefill(*args, **kw):
+        persistent.append(kw.get("persistent"))
+        return prefill(*args, **kw)
+    monkeypatch.setattr(runner.backend.k, "paged_prefill_attention", spy_prefill)
+    logits = runner.model.compute_logits(runner._mixed_forward(rows, v)[:len(batch.sample_rows)])
+    assert set(persistent) == {rows <= 512}
     graph_variants, variants[:] = set(variants), []
     eager = []
     sampler = runner.sampler
@@ -98,3 +108,37 @@ def test_mixed_graph_forward_matches_the_eager_step(tiny_ckpt, monkeypatch):
     torch.testing.assert_close(logits, eager[0], atol=1e-4, rtol=1e-4)
     assert logits.argmax(-1).tolist() == tokens
     assert set(variants) == graph_variants == {(1, True, True)}
+
+
+def test_prefill_graph_sizes(monkeypatch):
+    """Large prefill steps get graphs (powers of two from 1024, then the token budget) only when asked for: with
+    NANOVLLM_PREFILL_GRAPHS=auto for a small model per GPU, where mixed steps have graphs at all; 1 forces them,
+    unset or 0 is off; anything else is an error."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from nanovllm.engine.model_runner import PREFILL_GRAPH_MAX_WEIGHT_BYTES, prefill_graph_sizes
+
+    def config(params, budget=8192, tp=1, device="cuda", eager=False, backend="triton"):
+        return SimpleNamespace(device=torch.device(device), dtype=torch.bfloat16, attention_backend=backend,
+                               max_num_batched_tokens=budget, model=SimpleNamespace(matmul_params=lambda: params),
+                               args=SimpleNamespace(enforce_eager=eager, tensor_parallel_size=tp))
+    small, large = 0.6e9, 8e9  # parameters: 1.2 GB and 16 GB of bf16 weights
+    assert 2 * small < PREFILL_GRAPH_MAX_WEIGHT_BYTES < 2 * large / 2
+    monkeypatch.delenv("NANOVLLM_PREFILL_GRAPHS", raising=False)
+    assert prefill_graph_sizes(config(small)) == []  # off by default (not measured on a GPU yet)
+    monkeypatch.setenv("NANOVLLM_PREFILL_GRAPHS", "auto")
+    assert prefill_graph_sizes(config(small)) == [1024, 2048, 4096, 8192]
+    assert prefill_graph_sizes(config(small, budget=6000)) == [1024, 2048, 4096, 6000]
+    assert prefill_graph_sizes(config(small, budget=512)) == []
+    assert prefill_graph_sizes(config(large)) == prefill_graph_sizes(config(large, tp=2)) == []
+    for off in (dict(device="cpu"), dict(eager=True), dict(backend="torch")):
+        assert prefill_graph_sizes(config(small, **off)) == []
+    monkeypatch.setenv("NANOVLLM_PREFILL_GRAPHS", "1")
+    assert prefill_graph_sizes(config(large)) == [1024, 2048, 4096, 8192]
+    monkeypatch.setenv("NANOVLLM_PREFILL_GRAPHS", "0")
+    assert prefill_graph_sizes(config(small)) == []
+    monkeypatch.setenv("NANOVLLM_PREFILL_GRAPHS", "yes")
+    with pytest.raises(ValueError, match="NANOVLLM_PREFILL_GRAPHS must be auto, 0 or 1, got 'yes'"):
+        prefill_graph_sizes(config(small, device="cpu"))

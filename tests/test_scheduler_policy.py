@@ -174,7 +174,7 @@ def test_engine_policy_args(tiny_ckpt):
 
 @pytest.mark.parametrize("name,value", [("NANOVLLM_MIXED_GRAPH_STEP", "100"), ("NANOVLLM_MIXED_OVERLAP", "yes"),
                                         ("NANOVLLM_PREFILL_PERSISTENT", "on"), ("NANOVLLM_BALANCED_HOLD", "2"),
-                                        ("NANOVLLM_MIXED_LM_TRIM", "true")])
+                                        ("NANOVLLM_MIXED_LM_TRIM", "true"), ("NANOVLLM_PREFILL_GRAPHS", "yes")])
 def test_mixed_step_switches_checked_on_every_device(tiny_ckpt, monkeypatch, name, value):
     """The A/B switches of mixed steps are checked when the engine starts, also where they change nothing
     (CPU): a typo is an error naming the variable, not a silently ignored setting."""

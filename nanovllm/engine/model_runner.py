@@ -23,6 +23,8 @@ from nanovllm.models.registry import build_model
 logger = logging.getLogger(__name__)
 
 CPU_KV_CACHE_BYTES = 2 << 30  # default KV budget on CPU when num_kvcache_blocks is not given
+MIXED_MAX_TOKENS = 512  # the largest mixed-step graph (the balanced scheduler's step sizes)
+PREFILL_GRAPH_MAX_WEIGHT_BYTES = 4 << 30  # below this per GPU, large prefill steps may replay graphs too
 
 
 def _env_switch(name: str) -> bool:
@@ -82,6 +84,8 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_sizes: list[int] = []
         self.mixed_sizes = mixed_graph_sizes(config)
+        # every non-decode step size with a graph: the mixed sizes, then the large prefill steps' (small models)
+        self.step_graph_sizes = self.mixed_sizes + prefill_graph_sizes(config)
         self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # mixed graphs: the varlen kernel on a fixed grid looping over the chunks' tiles, not one program per
         # possible tile of the graph's hundreds of sequences (NANOVLLM_PREFILL_PERSISTENT=0: the latter)
@@ -251,7 +255,7 @@ class ModelRunner:
         self.graph_layouts = {bs: Layout.make(bs, bs, self.graph_width, bs) for bs in self.graph_sizes}
         # mixed graphs: R token rows of up to min(R, max_num_seqs) sequences, all of which may sample
         self.mixed_layouts = {r: Layout.make(r, min(r, cfg.max_num_seqs), self.graph_width, min(r, cfg.max_num_seqs))
-                              for r in self.mixed_sizes}
+                              for r in self.step_graph_sizes}
         nbytes = max(lay.nbytes for lay in [*self.graph_layouts.values(), *self.mixed_layouts.values()])
         self.g_stage = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         self.g_cu = torch.arange(max_bs + 1, dtype=torch.int32, device=self.device)
@@ -259,7 +263,7 @@ class ModelRunner:
         self.m_hidden: dict[int, torch.Tensor] = {}
         pool = None
         # largest first, all in one memory pool; the staging bytes are zeros here (every sequence empty)
-        kinds = ((self.mixed_graphs, self.m_hidden, self.mixed_layouts, self._mixed_forward, self.mixed_sizes),
+        kinds = ((self.mixed_graphs, self.m_hidden, self.mixed_layouts, self._mixed_forward, self.step_graph_sizes),
                  (self.graphs, self.g_logits, self.graph_layouts, self._graph_forward, self.graph_sizes))
         for graphs, outputs, layouts, forward, sizes in kinds:
             for size in reversed(sizes):
@@ -288,7 +292,8 @@ class ModelRunner:
         meta = AttentionMetadata(v["slots"], v["cu"], v["seq_lens"], v["tables"].view(B, self.graph_width),
                                  max_seqlen_q=rows, is_decode=False, decode_lens=v["dec_lens"],
                                  prefill_cu=v["cu_pre"], decode_splits=self._decode_splits(B),
-                                 prefill_persistent=self.mixed_prefill_persistent,
+                                 # (a large step's chunks fill the old grid: one program per tile)
+                                 prefill_persistent=self.mixed_prefill_persistent and rows <= MIXED_MAX_TOKENS,
                                  decode_order=v["order"] if self.decode_order else None)
         return self.model(self._input_ids(v), v["pos"], meta)[v["last"]]              # (B, hidden)
 
@@ -342,8 +347,8 @@ class ModelRunner:
             v = self.staging.upload(batch, self.graph_layouts[bs], self.g_stage)
             self.graphs[bs].replay()
             logits = self.g_logits[bs][:n]                                     # (B, vocab | shard); all sample
-        elif S and self.mixed_graphs and batch.num_tokens <= self.mixed_sizes[-1]:
-            rows = self.mixed_sizes[bisect.bisect_left(self.mixed_sizes, batch.num_tokens)]
+        elif S and self.mixed_graphs and batch.num_tokens <= self.step_graph_sizes[-1]:
+            rows = self.step_graph_sizes[bisect.bisect_left(self.step_graph_sizes, batch.num_tokens)]
             v = self.staging.upload(batch, self.mixed_layouts[rows], self.g_stage)
             self.mixed_graphs[rows].replay()
             hidden = self.m_hidden[rows][:S] if self.mixed_lm_trim else self.m_hidden[rows]
@@ -429,7 +434,34 @@ def mixed_graph_sizes(config: EngineConfig) -> list[int]:
         raise ValueError(f"NANOVLLM_MIXED_GRAPH_STEP must be 16, 32, 64, 128 or 256, got {step!r}")
     if config.device.type != "cuda" or config.args.enforce_eager or config.attention_backend != "triton":
         return []
-    return list(range(int(step), min(512, config.max_num_batched_tokens) + 1, int(step)))
+    return list(range(int(step), min(MIXED_MAX_TOKENS, config.max_num_batched_tokens) + 1, int(step)))
+
+
+def prefill_graph_sizes(config: EngineConfig) -> list[int]:
+    """Token counts of the CUDA graphs for large (prefill) steps, above the mixed sizes: 1024, 2048, 4096, ... up
+    to the token budget, and the budget itself. Only for a model with less than PREFILL_GRAPH_MAX_WEIGHT_BYTES of
+    weights per GPU: its eager prefill step is bound by the host launching it (Qwen3-0.6B on an H200: an
+    8,192-token step is ~12.5 ms of kernels, but its eager launch takes 27-45 ms, benchmarks/RESULTS.md run 19),
+    while a larger model's step is bound by the device and would only pay for the padding to a graph's size.
+    Off until measured on a GPU (written after run 19's last device call): NANOVLLM_PREFILL_GRAPHS=auto applies
+    the rule, 1 forces the graphs, 0 (the default) leaves large steps eager. Empty where mixed steps have no
+    graphs."""
+    value = os.environ.get("NANOVLLM_PREFILL_GRAPHS", "0")  # checked on every device
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"NANOVLLM_PREFILL_GRAPHS must be auto, 0 or 1, got {value!r}")
+    budget = config.max_num_batched_tokens
+    if value == "0" or not mixed_graph_sizes(config) or budget <= MIXED_MAX_TOKENS:
+        return []
+    if value == "auto":
+        per_gpu = (config.model.matmul_params() * torch.empty(0, dtype=config.dtype).element_size()
+                   / config.args.tensor_parallel_size)
+        if per_gpu >= PREFILL_GRAPH_MAX_WEIGHT_BYTES:
+            return []
+    sizes, s = [], 2 * MIXED_MAX_TOKENS
+    while s < budget:
+        sizes.append(s)
+        s *= 2
+    return sizes + [budget]
 
 
 class PendingStep:
