@@ -48,6 +48,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--gpu-idle", action="store_true",
                     help="CUDA: time each step on every rank's device with events (NANOVLLM_STEP_TIMING) and report "
                          "how long each GPU sat idle between steps (waiting for the host or its worker process)")
+    ap.add_argument("--host-phases", action="store_true",
+                    help="time the host's phases of each engine step (schedule, batch, launch, waiting for the "
+                         "previous step's tokens, their processing) and print them per step kind (one GPU)")
     add_engine_args(ap)
     ns = ap.parse_args(argv)
     kwargs = {"max_model_len": 4096, **engine_kwargs(ns)}
@@ -74,24 +77,50 @@ def main(argv=None) -> dict:
     step_rows = []  # (wall ms of engine.step, seqs, tokens, kv tokens, is_decode) of the step it launched
     real_build = le.build_step_batch
     real_step = eng.step
+    phase = {}           # host milliseconds per phase in the engine step being run
+    phase_rows = []      # (is_decode of the step it launched, {phase: ms}) per engine step
+    restore = []
+
+    def timed(name, fn):
+        def wrapper(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                phase[name] = phase.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
+        return wrapper
 
     def counting_build(out, block_size):
+        t0 = time.perf_counter()
         batch = real_build(out, block_size)
+        phase["batch"] = (time.perf_counter() - t0) * 1e3
         steps["n"] += 1
         steps["kv_tokens"] += sum(batch.seq_lens)
         step_rows.append([0.0, batch.num_seqs, batch.num_tokens, sum(batch.seq_lens), batch.is_decode])
         return batch
 
     def timed_step():
+        phase.clear()
+        n = len(step_rows)
         t = time.perf_counter()
         r = real_step()
+        ms = (time.perf_counter() - t) * 1e3
         if step_rows:
-            step_rows[-1][0] = (time.perf_counter() - t) * 1e3
+            step_rows[-1][0] = ms
+        if ns.host_phases and len(step_rows) > n:
+            phase_rows.append((step_rows[-1][4], {**phase, "total": ms}))
         return r
 
     llm.generate([[1, 2, 3, 4]] * 4, SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     le.build_step_batch = counting_build
     eng.step = timed_step
+    if ns.host_phases:
+        from nanovllm.engine import model_runner
+        for obj, name, label in ((eng.scheduler, "schedule", "schedule"), (eng.runner, "launch", "launch"),
+                                 (eng, "_resolve", "tokens"), (eng.scheduler, "on_step_done", "done"),
+                                 (model_runner.PendingStep, "result", "wait")):
+            restore.append((obj, name, obj.__dict__.get(name)))
+            setattr(obj, name, timed(label, getattr(obj, name)))
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -102,6 +131,19 @@ def main(argv=None) -> dict:
     elapsed = time.perf_counter() - t
     le.build_step_batch = real_build
     eng.step = real_step
+    for obj, name, orig in restore:
+        if orig is None:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, orig)
+    if phase_rows:
+        names = ["schedule", "batch", "launch", "wait", "tokens", "done", "total"]
+        print("host ms per engine step, by the kind of step it launched: " + ", ".join(names))
+        for kind, rows in (("prefill/mixed", [p for d, p in phase_rows if not d]),
+                           ("decode", [p for d, p in phase_rows if d])):
+            if rows:
+                avg = {k: sum(p.get(k, 0.0) for p in rows) / len(rows) for k in names}
+                print(f"  {kind:14s} {len(rows):5d} steps: " + ", ".join(f"{k} {avg[k]:.2f}" for k in names))
     if ns.step_log:
         kv_tok = kv_per_token
         with open(ns.step_log, "w") as f:
