@@ -11,13 +11,13 @@ host values fixed per captured CUDA graph, so a backend can run inside a graph w
 from __future__ import annotations
 
 import contextlib
-import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
 from nanovllm.attention.torch_ref import paged_attention_ref, store_kvcache_ref
+from nanovllm.utils.env import env_switch
 
 
 @dataclass
@@ -91,10 +91,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         # mixed steps on a GPU: the two kernels side by side on two streams (NANOVLLM_MIXED_OVERLAP=0: one after
         # the other, for A/B runs)
-        value = os.environ.get("NANOVLLM_MIXED_OVERLAP", "1")
-        if value not in ("0", "1"):
-            raise ValueError(f"NANOVLLM_MIXED_OVERLAP must be 0 or 1, got {value!r}")
-        self.overlap = value == "1"
+        self.overlap = env_switch("NANOVLLM_MIXED_OVERLAP")
 
     def store(self, k, v, k_cache, v_cache, slot_mapping):
         self.k.store_kvcache(k, v, k_cache, v_cache, slot_mapping)

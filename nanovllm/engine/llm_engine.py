@@ -22,6 +22,7 @@ from nanovllm.engine.model_runner import mixed_graph_sizes
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.env import env_switch
 
 logger = logging.getLogger(__name__)
 
@@ -100,12 +101,10 @@ class LLMEngine:
                                           args.enable_prefix_caching)
         # balanced policy: prompts computed ahead, last prompt tokens held until their request must start
         # (NANOVLLM_BALANCED_HOLD=0: each request starts as soon as its prompt is computed; for A/B runs)
-        hold = os.environ.get("NANOVLLM_BALANCED_HOLD", "1")
-        if hold not in ("0", "1"):
-            raise ValueError(f"NANOVLLM_BALANCED_HOLD must be 0 or 1, got {hold!r}")
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, self.config.scheduling_policy,
-                                   step_sizes=mixed_graph_sizes(self.config), hold_last_tokens=hold == "1")
+                                   step_sizes=mixed_graph_sizes(self.config),
+                                   hold_last_tokens=env_switch("NANOVLLM_BALANCED_HOLD"))
         self.requests: dict[str, Sequence] = {}
         # async scheduling: the launched step whose tokens are not read yet, with its (seq, row) pairs
         self._inflight: tuple | None = None

@@ -19,20 +19,13 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from nanovllm.models.loader import init_dummy, load_safetensors
 from nanovllm.models.registry import build_model
+from nanovllm.utils.env import env_switch
 
 logger = logging.getLogger(__name__)
 
 CPU_KV_CACHE_BYTES = 2 << 30  # default KV budget on CPU when num_kvcache_blocks is not given
 MIXED_MAX_TOKENS = 512  # the largest mixed-step graph (the balanced scheduler's step sizes)
 PREFILL_GRAPH_MAX_WEIGHT_BYTES = 4 << 30  # below this per GPU, large prefill steps may replay graphs too
-
-
-def _env_switch(name: str) -> bool:
-    """An on-by-default switch for A/B runs: unset or "1" is on, "0" off, anything else an error."""
-    value = os.environ.get(name, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
-    return value == "1"
 
 
 @dataclass
@@ -72,11 +65,11 @@ class ModelRunner:
             self._install_fused_ops()
         self.staging = Staging(self.device)
         # prefill steps run the last layer for the sampled rows only (NANOVLLM_TRIM_LAST_LAYER=0: every row)
-        self.trim_last_layer = _env_switch("NANOVLLM_TRIM_LAST_LAYER")
+        self.trim_last_layer = env_switch("NANOVLLM_TRIM_LAST_LAYER")
         # decode attention launches the longest sequences first (NANOVLLM_DECODE_ORDER=0: batch order)
-        self.decode_order = _env_switch("NANOVLLM_DECODE_ORDER")
+        self.decode_order = env_switch("NANOVLLM_DECODE_ORDER")
         # CUDA graphs: per (layer shape, graph batch size) the fastest GEMM (NANOVLLM_GEMM_PLAN=0: torch's default)
-        self.use_gemm_plan = _env_switch("NANOVLLM_GEMM_PLAN")
+        self.use_gemm_plan = env_switch("NANOVLLM_GEMM_PLAN")
         self.timer = StepTimer.from_env(self.device, self.tp.rank)
         self.profilers = StepProfiler.from_env(self.device, self.tp.rank)
         # the latest step's sampled ids, read on the device by the next step's placeholder inputs
@@ -89,10 +82,10 @@ class ModelRunner:
         self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # mixed graphs: the varlen kernel on a fixed grid looping over the chunks' tiles, not one program per
         # possible tile of the graph's hundreds of sequences (NANOVLLM_PREFILL_PERSISTENT=0: the latter)
-        self.mixed_prefill_persistent = _env_switch("NANOVLLM_PREFILL_PERSISTENT")
+        self.mixed_prefill_persistent = env_switch("NANOVLLM_PREFILL_PERSISTENT")
         # mixed graphs: the LM head on the step's sampled rows only, after the replay (NANOVLLM_MIXED_LM_TRIM=0:
         # on every row of the graph, as inside it before)
-        self.mixed_lm_trim = _env_switch("NANOVLLM_MIXED_LM_TRIM")
+        self.mixed_lm_trim = env_switch("NANOVLLM_MIXED_LM_TRIM")
         t0 = time.perf_counter()
         self.num_kvcache_blocks = self._allocate_kv_cache()  # (its warm-up steps run eagerly: no graphs yet)
         self.kv_seconds = time.perf_counter() - t0  # KV sizing, incl. the warm-up steps' kernel compiles
