@@ -101,10 +101,15 @@ SCHEDULING_POLICIES = ("fcfs", "balanced")  # see nanovllm.engine.scheduler
 BALANCED_MIN_WEIGHT_BYTES = 12 << 30
 
 
+def weight_bytes_per_gpu(model: ModelConfig, dtype: torch.dtype, tensor_parallel_size: int) -> float:
+    """Bytes of the weights one GPU multiplies with each step (``ModelConfig.matmul_params``, sharded)."""
+    return model.matmul_params() * torch.empty(0, dtype=dtype).element_size() / tensor_parallel_size
+
+
 def auto_scheduling_policy(model: ModelConfig, dtype: torch.dtype, tensor_parallel_size: int,
                            device: torch.device) -> str:
     """What scheduling_policy="auto" means for this model and device (see BALANCED_MIN_WEIGHT_BYTES)."""
-    per_gpu = model.matmul_params() * torch.empty(0, dtype=dtype).element_size() / tensor_parallel_size
+    per_gpu = weight_bytes_per_gpu(model, dtype, tensor_parallel_size)
     return "balanced" if device.type == "cuda" and per_gpu >= BALANCED_MIN_WEIGHT_BYTES else "fcfs"
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from nanovllm.attention.backend import AttentionMetadata, OutputRows, get_attention_backend
-from nanovllm.config import EngineConfig
+from nanovllm.config import EngineConfig, weight_bytes_per_gpu
 from nanovllm.distributed.group import TPGroup
 from nanovllm.engine.batch import SamplingBatch, StepBatch
 from nanovllm.engine.step_inputs import Layout, Staging
@@ -445,11 +445,9 @@ def prefill_graph_sizes(config: EngineConfig) -> list[int]:
     budget = config.max_num_batched_tokens
     if value == "0" or not mixed_graph_sizes(config) or budget <= MIXED_MAX_TOKENS:
         return []
-    if value == "auto":
-        per_gpu = (config.model.matmul_params() * torch.empty(0, dtype=config.dtype).element_size()
-                   / config.args.tensor_parallel_size)
-        if per_gpu >= PREFILL_GRAPH_MAX_WEIGHT_BYTES:
-            return []
+    if value == "auto" and weight_bytes_per_gpu(config.model, config.dtype, config.args.tensor_parallel_size) \
+            >= PREFILL_GRAPH_MAX_WEIGHT_BYTES:
+        return []
     sizes, s = [], 2 * MIXED_MAX_TOKENS
     while s < budget:
         sizes.append(s)
