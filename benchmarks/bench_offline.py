@@ -35,6 +35,17 @@ def model_bytes(m, itemsize: int) -> int:
     return itemsize * (m.num_layers * per_layer + m.vocab_size * d + d)
 
 
+def timed(spent: dict, name: str, fn):
+    """fn, adding the milliseconds each call takes to spent[name]."""
+    def wrapper(*args, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kw)
+        finally:
+            spent[name] = spent.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
+    return wrapper
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True,
@@ -81,15 +92,6 @@ def main(argv=None) -> dict:
     phase_rows = []      # (is_decode of the step it launched, {phase: ms}) per engine step
     restore = []
 
-    def timed(name, fn):
-        def wrapper(*args, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kw)
-            finally:
-                phase[name] = phase.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
-        return wrapper
-
     def counting_build(out, block_size):
         t0 = time.perf_counter()
         batch = real_build(out, block_size)
@@ -120,7 +122,7 @@ def main(argv=None) -> dict:
                                  (eng, "_resolve", "tokens"), (eng.scheduler, "on_step_done", "done"),
                                  (model_runner.PendingStep, "result", "wait")):
             restore.append((obj, name, obj.__dict__.get(name)))
-            setattr(obj, name, timed(label, getattr(obj, name)))
+            setattr(obj, name, timed(phase, label, getattr(obj, name)))
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

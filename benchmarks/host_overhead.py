@@ -15,11 +15,11 @@ import os
 import random
 import sys
 import time
-from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_offline import timed  # noqa: E402
 from workload import offline_workload  # noqa: E402
 
 import nanovllm.engine.llm_engine as llm_engine  # noqa: E402
@@ -47,16 +47,7 @@ def main():
     eng, runner = llm.engine, llm.engine.runner
     eng.async_scheduling = True  # as on a GPU
     vocab = 500
-    spent = defaultdict(float)
-
-    def timed(name, fn):
-        def wrapper(*args, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kw)
-            finally:
-                spent[name] += time.perf_counter() - t0
-        return wrapper
+    spent = {}  # phase -> milliseconds
 
     def launch(batch, prev=None):
         width = max((len(t) for t in batch.block_tables), default=1)
@@ -64,12 +55,12 @@ def main():
                                                  len(batch.sampling.banned)))
         return _Done(len(batch.sample_rows), vocab)
 
-    runner.launch = timed("pack", launch)
-    eng.scheduler.schedule = timed("schedule", eng.scheduler.schedule)
-    eng.scheduler.on_step_done = timed("on_step_done", eng.scheduler.on_step_done)
-    eng._resolve = timed("resolve", eng._resolve)
+    runner.launch = timed(spent, "pack", launch)
+    eng.scheduler.schedule = timed(spent, "schedule", eng.scheduler.schedule)
+    eng.scheduler.on_step_done = timed(spent, "on_step_done", eng.scheduler.on_step_done)
+    eng._resolve = timed(spent, "resolve", eng._resolve)
     build = llm_engine.build_step_batch
-    llm_engine.build_step_batch = timed("build_step_batch", build)
+    llm_engine.build_step_batch = timed(spent, "build_step_batch", build)
     try:
         prompts, max_tokens = offline_workload()
         for i, (p, m) in enumerate(zip(prompts, max_tokens)):
@@ -81,7 +72,7 @@ def main():
             for _ in range(n):
                 eng.step()
             total = (time.perf_counter() - t0) / n * 1e3
-            parts = ", ".join(f"{k} {v / n * 1e3:.2f}" for k, v in spent.items())
+            parts = ", ".join(f"{k} {v / n:.2f}" for k, v in spent.items())
             print(f"{name}: {total:.2f} ms per step on the host ({parts})")
     finally:
         llm_engine.build_step_batch = build
