@@ -210,7 +210,7 @@ class Scheduler:
         for s in self.running:
             if s.awaiting_last_token:
                 continue
-            work += s.num_prompt_tokens + s.max_tokens - s.num_computed_tokens
+            work += self._work(s)
             if s.num_tokens - s.num_computed_tokens == 1:
                 if s.num_output_tokens:
                     decode += 1
