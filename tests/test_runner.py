@@ -111,9 +111,9 @@ def test_mixed_graph_forward_matches_the_eager_step(tiny_ckpt, monkeypatch, rows
 
 
 def test_prefill_graph_sizes(monkeypatch):
-    """Large prefill steps get graphs (powers of two from 1024, then the token budget) only when asked for: with
-    NANOVLLM_PREFILL_GRAPHS=auto for a small model per GPU, where mixed steps have graphs at all; 1 forces them,
-    unset or 0 is off; anything else is an error."""
+    """Large prefill steps get graphs (powers of two from 1024, then the token budget) for a small model per GPU,
+    where mixed steps have graphs at all (NANOVLLM_PREFILL_GRAPHS unset or auto); 1 forces them for any model,
+    0 is off; anything else is an error."""
     from types import SimpleNamespace
 
     import torch
@@ -127,7 +127,8 @@ def test_prefill_graph_sizes(monkeypatch):
     small, large = 0.6e9, 8e9  # parameters: 1.2 GB and 16 GB of bf16 weights
     assert 2 * small < PREFILL_GRAPH_MAX_WEIGHT_BYTES < 2 * large / 2
     monkeypatch.delenv("NANOVLLM_PREFILL_GRAPHS", raising=False)
-    assert prefill_graph_sizes(config(small)) == []  # off by default (not measured on a GPU yet)
+    assert prefill_graph_sizes(config(small)) == [1024, 2048, 4096, 8192]  # auto is the default
+    assert prefill_graph_sizes(config(large)) == []
     monkeypatch.setenv("NANOVLLM_PREFILL_GRAPHS", "auto")
     assert prefill_graph_sizes(config(small)) == [1024, 2048, 4096, 8192]
     assert prefill_graph_sizes(config(small, budget=6000)) == [1024, 2048, 4096, 6000]
