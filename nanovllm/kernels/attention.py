@@ -233,10 +233,8 @@ def _decode_kernel(
     stride_kb, stride_ks, stride_kh, stride_bt,
     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-    HEADS_FIRST: tl.constexpr, USE_ORDER: tl.constexpr, SKIP_EMPTY: tl.constexpr, TRANS: tl.constexpr,
+    HEADS_FIRST: tl.constexpr, USE_ORDER: tl.constexpr, SKIP_EMPTY: tl.constexpr,
 ):
-    # TRANS: keys on the M side of the dots (scores as (BLOCK_N, BLOCK_G), output as (HEAD_DIM, BLOCK_G)), so
-    # the G query heads pad to the MMA's N (8) instead of its M (16): half the tensor-core work and softmax
     # SPLIT: num_splits > 1 programs per sequence write partial results for _decode_reduce_kernel; the count
     # itself is a runtime value, so every split count shares one compiled variant
     # HEADS_FIRST: grid (Hkv, B, splits), so the programs of one sequence's KV heads are launched together
@@ -272,33 +270,15 @@ def _decode_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
-    if TRANS:
-        q_t = tl.trans(q)
-        acc_t = tl.zeros([HEAD_DIM, BLOCK_G], tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            n = n0 + offs_n
-            n_ok = n < end
-            k, v = _kv_tile(K, V, bt_row, n0, offs_n, offs_d, end, n_ok, head_off, stride_kb, stride_ks,
-                            BLOCK_SIZE, BLOCK_N, True, UPCAST)
-            s_t = tl.dot(k, q_t, input_precision=PREC) * qk_scale
-            s_t = tl.where(n_ok[:, None], s_t, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s_t, 0))  # every tile has a valid key: finite
-            alpha = tl.exp2(m_i - m_new)
-            p_t = tl.exp2(s_t - m_new[None, :])
-            l_i = l_i * alpha + tl.sum(p_t, 0)
-            acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(v), p_t.to(v.dtype), input_precision=PREC)
-            m_i = m_new
-        acc = tl.trans(acc_t)
-    else:
-        acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            n = n0 + offs_n
-            n_ok = n < end
-            k, v = _kv_tile(K, V, bt_row, n0, offs_n, offs_d, end, n_ok, head_off, stride_kb, stride_ks,
-                            BLOCK_SIZE, BLOCK_N, True, UPCAST)
-            qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-            qk = tl.where(n_ok[None, :], qk, float("-inf"))
-            m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, PREC, False)  # every tile: a valid key
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + offs_n
+        n_ok = n < end
+        k, v = _kv_tile(K, V, bt_row, n0, offs_n, offs_d, end, n_ok, head_off, stride_kb, stride_ks,
+                        BLOCK_SIZE, BLOCK_N, True, UPCAST)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        qk = tl.where(n_ok[None, :], qk, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, PREC, False)  # every tile has a valid key
 
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -483,14 +463,6 @@ def _decode_launch(D: int, dtype) -> tuple[int, int, int, bool]:
     return _decode_block_n(D, dtype), 4, 2, True
 
 
-def decode_transposed() -> bool:
-    """Whether the decode kernel puts the keys on the M side of its dots (TRANS). NANOVLLM_DECODE_TRANS=0|1."""
-    value = os.environ.get("NANOVLLM_DECODE_TRANS", "0")  # checked on every device
-    if value not in ("0", "1"):
-        raise ValueError(f"NANOVLLM_DECODE_TRANS must be 0 or 1, got {value!r}")
-    return value == "1"
-
-
 def decode_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
                       device: torch.device | None = None) -> int:
     """KV splits for the decode kernel, from static shapes only (safe for CUDA-graph capture).
@@ -551,14 +523,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_splits < 1:
         raise ValueError(f"{fn}: num_splits must be >= 1, got {num_splits}")
     G = H // Hkv
-    trans = decode_transposed()
-    # padded rows are masked; the MMA pads M to 16 and N to 8
-    BLOCK_G = max(8 if trans else 16, next_pow2(G))
+    BLOCK_G = max(16, next_pow2(G))  # tl.dot needs M >= 16; padded rows are masked
     BLOCK_N, warps, stages, heads_first = _decode_launch(D, q.dtype)
     prec = dot_precision(q.dtype)
     common = dict(G=G, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, HEAD_DIM=D, BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
                   PREC=prec, UPCAST=upcast_dots(q.dtype), HEADS_FIRST=heads_first, USE_ORDER=order is not None,
-                  SKIP_EMPTY=bool(skip_empty), TRANS=trans, num_warps=warps, num_stages=stages)
+                  SKIP_EMPTY=bool(skip_empty), num_warps=warps, num_stages=stages)
     grid = (Hkv, B, num_splits) if heads_first else (B, Hkv, num_splits)
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
