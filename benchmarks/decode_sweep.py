@@ -1,10 +1,11 @@
 """Sweep the decode-attention kernel's launch config at the workload's shapes (needs CUDA).
 
-    python benchmarks/decode_sweep.py [--out best.txt]
+    python benchmarks/decode_sweep.py [--out best.txt] [--configs 128,4,3 64,4,2 ...]
 
 Times (BLOCK_N, num_warps, num_stages) variants on bf16 paged decode at 256 x ctx 100-2048 and 64 x ctx
 500-1500 (Qwen3: 16 or 32 query heads, 8 KV heads, head_dim 128, 256-token blocks), checks each against
-the torch reference, prints GB/s and writes the best config as "BLOCK_N,WARPS,STAGES".
+the torch reference, prints GB/s and writes the best config as "BLOCK_N,WARPS,STAGES". --configs times only
+the listed ones; NANOVLLM_DECODE_TRANS=1 sweeps the transposed kernel.
 """
 from __future__ import annotations
 
@@ -26,10 +27,13 @@ from nanovllm.kernels.attention import paged_decode_attention  # noqa: E402
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--configs", nargs="*", default=None, help="BLOCK_N,WARPS,STAGES triples (default: all)")
     ns = ap.parse_args()
     cases = [decode_case(256, 100, 2048, 16), decode_case(256, 100, 2048, 32), decode_case(64, 500, 1500, 16)]
     results = []
-    for bn, w, st in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
+    configs = [tuple(int(x) for x in c.split(",")) for c in ns.configs] if ns.configs else \
+        itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4))
+    for bn, w, st in configs:
         os.environ["NANOVLLM_DECODE_ATTN"] = f"{bn},{w},{st}"
         try:
             tot_ms, ok = 0.0, True
