@@ -5,7 +5,7 @@
 Times (BLOCK_N, num_warps, num_stages) variants on bf16 paged decode at 256 x ctx 100-2048 and 64 x ctx
 500-1500 (Qwen3: 16 or 32 query heads, 8 KV heads, head_dim 128, 256-token blocks), checks each against
 the torch reference, prints GB/s and writes the best config as "BLOCK_N,WARPS,STAGES". --configs times only
-the listed ones; NANOVLLM_DECODE_TRANS=1 sweeps the transposed kernel.
+the listed ones.
 """
 from __future__ import annotations
 
