@@ -15,8 +15,10 @@ import random
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+from decode_layout import tables_for  # noqa: E402
 
 from nanovllm.engine.gemm_plan import graph_seconds  # noqa: E402
 from nanovllm.kernels.attention import paged_decode_attention  # noqa: E402
@@ -27,18 +29,13 @@ H, HKV, D, BS, LAYERS = 32, 8, 128, 256, 8
 def case(B, ctx, seed):
     rng = random.Random(seed)
     lens = [max(1, int(ctx * rng.uniform(0.5, 1.5))) for _ in range(B)]
-    nb = [-(-n // BS) for n in lens]
-    perm = rng.sample(range(sum(nb)), sum(nb))
-    width, tables, i = max(nb), [], 0
-    for n in nb:
-        tables.append(perm[i:i + n] + [0] * (width - n))
-        i += n
+    tables, nblocks = tables_for(lens, BS, seed)
     order = sorted(range(B), key=lambda b: -lens[b])
     t = dict(seq_lens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
              tables=torch.tensor(tables, dtype=torch.int32, device="cuda"),
              order=torch.tensor(order, dtype=torch.int32, device="cuda"),
              q=torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16),
-             nblocks=sum(nb), kv_bytes=sum(lens) * HKV * D * 4)
+             nblocks=nblocks, kv_bytes=sum(lens) * HKV * D * 4)
     return t
 
 

@@ -25,8 +25,10 @@ import random
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+from decode_layout import tables_for  # noqa: E402
 
 from nanovllm.attention.torch_ref import paged_attention_ref  # noqa: E402
 from nanovllm.engine.gemm_plan import graph_seconds  # noqa: E402
@@ -38,18 +40,10 @@ H, HKV, D, BS, LAYERS = 32, 8, 128, 256, 8
 def make_case(dec_lens, chunks, rows, capacity, seed, dev="cuda"):
     """dec_lens: decode sequences' lengths; chunks: (prefix, chunk) pairs; rows: graph rows; capacity: graph
     sequences."""
-    rng = random.Random(seed)
     lens = list(dec_lens) + [p + c for p, c in chunks]
-    nb = [-(-n // BS) for n in lens]
-    width = max(nb)
-    perm = rng.sample(range(sum(nb)), sum(nb))
-    tables, i = [], 0
-    for n in nb:
-        tables.append(perm[i:i + n] + [0] * (width - n))
-        i += n
+    tables, nblocks = tables_for(lens, BS, seed)
     B = len(lens)
-    tables += [[0] * width] * (capacity - B)
-    nblocks = sum(nb)
+    tables += [[0] * len(tables[0])] * (capacity - B)
     ks = [torch.randn(nblocks, BS, HKV, D, device=dev, dtype=torch.bfloat16) for _ in range(LAYERS)]
     vs = [torch.randn_like(k) for k in ks]
     q = torch.randn(rows, H, D, device=dev, dtype=torch.bfloat16)
