@@ -21,6 +21,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm.engine.model_runner import MIXED_MAX_TOKENS  # noqa: E402
 from nanovllm.utils.tiny_model import build_tiny_checkpoint  # noqa: E402
 
 ARCH = dict(hidden_size=512, intermediate_size=1024, num_layers=4, num_heads=8, num_kv_heads=2, head_dim=128,
@@ -52,7 +53,7 @@ def main():
             for rows, g in runner.mixed_graphs.items():
                 orig = g.replay
 
-                def counted(orig=orig, replays=replays, kind="mixed" if rows <= 512 else "large"):
+                def counted(orig=orig, replays=replays, kind="mixed" if rows <= MIXED_MAX_TOKENS else "large"):
                     replays[kind] += 1
                     orig()
                 g.replay = counted
