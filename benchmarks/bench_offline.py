@@ -3,12 +3,14 @@
     python benchmarks/bench_offline.py --model benchmarks/models/qwen3-0.6b --load-format dummy
 
 Prints output tok/s, total time, achieved memory bandwidth (weights once per step + every scheduled
-sequence's KV), peak GPU memory and startup time, and writes the numbers as JSON with --json.
+sequence's KV), peak GPU memory and startup time, and on NVIDIA GPUs the run's energy, average power and
+median SM clock (NVML); writes the numbers as JSON with --json.
 Warm-up (a short generate) is excluded from the timing.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -20,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+from nvml import PowerMonitor  # noqa: E402
 from workload import offline_workload  # noqa: E402
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
@@ -62,6 +65,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--host-phases", action="store_true",
                     help="time the host's phases of each engine step (schedule, batch, launch, waiting for the "
                          "previous step's tokens, their processing) and print them per step kind (one GPU)")
+    ap.add_argument("--reinit-uniform", type=float, default=None, metavar="A",
+                    help="after start-up, set every weight (norms too) uniform in [-A, A], as vLLM's dummy loader "
+                         "does with A=1e-3 (one GPU; to see whether the data changes the power-capped speed)")
     add_engine_args(ap)
     ns = ap.parse_args(argv)
     kwargs = {"max_model_len": 4096, **engine_kwargs(ns)}
@@ -113,6 +119,12 @@ def main(argv=None) -> dict:
             phase_rows.append((step_rows[-1][4], {**phase, "total": ms}))
         return r
 
+    if ns.reinit_uniform is not None:
+        if getattr(runner, "model", None) is None:
+            raise ValueError("--reinit-uniform needs the model in this process (tensor_parallel_size=1)")
+        with torch.no_grad():
+            for p in runner.model.parameters():
+                p.uniform_(-ns.reinit_uniform, ns.reinit_uniform)
     llm.generate([[1, 2, 3, 4]] * 4, SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     le.build_step_batch = counting_build
     eng.step = timed_step
@@ -126,11 +138,14 @@ def main(argv=None) -> dict:
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    t = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    if cuda:
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - t
+    # energy and SM clock of every GPU the engine uses (an 8B run on one H200 runs at its 700 W cap)
+    power = PowerMonitor.open(list(range(kwargs.get("tensor_parallel_size", 1)))) if cuda else None
+    with power or contextlib.nullcontext():
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        if cuda:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t
     le.build_step_batch = real_build
     eng.step = real_step
     for obj, name, orig in restore:
@@ -179,10 +194,16 @@ def main(argv=None) -> dict:
         "kv_blocks": eng.block_manager.num_blocks, "preemptions": eng.scheduler.num_preemptions,
         "async_scheduling": eng.async_scheduling,
     }
+    if power is not None:
+        res.update(power.summary())
+        res["J_per_output_token"] = round(res["energy_J"] / n_out, 4)
     print(f"{res['model']}: {n_out} tokens in {elapsed:.2f}s = {res['output_tok_s']:.0f} output tok/s | "
           f"{res['achieved_GB_s']} GB/s over {steps['n']} steps | peak {res['peak_gpu_mem_GiB']} GiB | "
           f"startup {startup:.1f}s (model {res['load_s']}s, KV sizing {res['kv_sizing_s']}s, "
           f"GEMM plan {res['gemm_plan_s']}s, graphs {res['cuda_graph_capture_s']}s)")
+    if power is not None:
+        print(f"energy {res['energy_J']:.0f} J ({res['J_per_output_token'] * 1e3:.1f} mJ per output token) | "
+              f"average power {res['avg_power_W']} W | median SM clock {res['sm_mhz_median']} MHz")
     if isinstance(getattr(runner, "gemm_plan", None), dict):
         from nanovllm.engine.gemm_plan import describe
         print("GEMM plan:", describe(runner.gemm_plan))

@@ -7,7 +7,7 @@
 #        bench06noplan bench06noplanfresh bench8bal bench06bal bench8tp2bal policy_check policy_check_tp2 bench8ov (OVERLAP=0|1) bench8pre (PREFILL_ATTN=BM,BN,W,S) bench8fcfs bench8tp2fcfs prof8bal (MIXED_STEP=32|64|128)
 #        mixedattn mixedtiles kernel_tests_varlen bench8persist (PERSIST=0|1) bench8nohold
 #        bench8lmtrim (LMTRIM=0|1) bench06pg (PG=auto|0|1) bench06host headoverlap ltsearch kvlayout
-#        kernel_tests_decode splitk
+#        kernel_tests_decode splitk energy bench8vllminit
 # (default: env kernels parity bench06 profile06 bench8). online06 needs fastapi/uvicorn: carry .whl and
 # start the command with the wheel install from the device README.
 # Logs go to $OUT (or ./gpu_out); each step has its own time limit and a failure doesn't stop the rest.
@@ -39,6 +39,8 @@ for s in $steps; do
     bench06host) TAIL=20 run bench06host 300 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-0.6b --load-format dummy --json "$OUT/bench.jsonl" --label "${LABEL:-} host phases" --gpu-idle --host-phases ;;
     kernel_tests_decode) run kernel_tests_decode 300 python3 -m pytest tests/kernels/test_triton_attention.py -q -x -k decode ;;
     splitk) TAIL=10 run splitk 200 python3 benchmarks/splitk_bench.py ;;
+    energy) TAIL=14 run energy 240 python3 benchmarks/energy_bench.py ;;
+    bench8vllminit) TAIL=12 run bench8vllminit 400 python3 benchmarks/bench_offline.py --model benchmarks/models/qwen3-8b --load-format dummy --reinit-uniform 1e-3 --json "$OUT/bench.jsonl" --label "${LABEL:-} weights uniform in +-1e-3 (vLLM's dummy init)" --step-log "$OUT/steps8vllminit.json" --gpu-idle ;;
     headoverlap) TAIL=30 run headoverlap 300 python3 benchmarks/head_overlap_bench.py --groups 1,2 ;;
     ltsearch) TAIL=30 run ltsearch 300 python3 benchmarks/cublaslt_search.py --rows 192,256,384,512 ;;
     kvlayout) TAIL=30 run kvlayout 300 python3 benchmarks/kv_layout_bench.py ;;
