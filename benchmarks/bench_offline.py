@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -71,6 +72,11 @@ def main(argv=None) -> dict:
     add_engine_args(ap)
     ns = ap.parse_args(argv)
     kwargs = {"max_model_len": 4096, **engine_kwargs(ns)}
+    if ns.reinit_uniform is not None:
+        if not math.isfinite(ns.reinit_uniform) or ns.reinit_uniform <= 0:
+            ap.error(f"--reinit-uniform must be a positive number, got {ns.reinit_uniform}")
+        if kwargs.get("tensor_parallel_size", 1) != 1:
+            ap.error("--reinit-uniform needs the model in this process (tensor_parallel_size=1)")
 
     prompts, max_tokens = offline_workload(ns.num_seqs, ns.max_input_len, ns.max_output_len)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
@@ -120,8 +126,6 @@ def main(argv=None) -> dict:
         return r
 
     if ns.reinit_uniform is not None:
-        if getattr(runner, "model", None) is None:
-            raise ValueError("--reinit-uniform needs the model in this process (tensor_parallel_size=1)")
         with torch.no_grad():
             for p in runner.model.parameters():
                 p.uniform_(-ns.reinit_uniform, ns.reinit_uniform)

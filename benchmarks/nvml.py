@@ -74,7 +74,11 @@ class PowerMonitor:
     @classmethod
     def open(cls, cuda_indices: list[int], interval: float = 0.2) -> PowerMonitor | None:
         try:
-            return cls([NVML(i) for i in cuda_indices], interval)
+            gpus = [NVML(i) for i in cuda_indices]
+            for g in gpus:  # (a GPU without an energy counter fails here, not in the middle of a run)
+                g.energy_mj()
+                g.sm_clock_mhz()
+            return cls(gpus, interval)
         except (OSError, RuntimeError, AttributeError):
             return None
 
