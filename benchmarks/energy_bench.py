@@ -4,14 +4,14 @@
 
 An 8B run on one H200 draws its full 700 W for the whole run, so its speed is set by the SM clock the GPU
 holds under that cap (RESULTS run 19-20), that is by the energy each step spends. This prints, per kernel at
-the workload's shapes, the time per call, the average power, the energy per call and per unit of work (per GB
+the workload's shapes, the time per call, the average power, the energy per call and per unit of work (per TB
 read for attention, per TFLOP for GEMMs) and the median SM clock while it ran. Each case is a CUDA graph of
 many calls replayed for ``--seconds``; energy comes from NVML's total-energy counter (mJ), read before and
 after.
 
 The cases:
 * ``decode attention``: the engine's decode kernel over 256 (and 44) sequences of ~600-1,100 tokens, 32 query
-  heads on 8 KV heads (Qwen3-8B), against a plain ``torch.sum`` over as many bytes (a stream with no math);
+  heads on 8 KV heads (Qwen3-8B), against a plain ``torch.sum`` over as many bytes (a stream with next to no math);
 * ``GEMMs``: the four projections of a layer at 256 rows with 36 layers' own weights (as a step reads them),
   and the gate/up projection at 4,096 rows (a prefill chunk's rate).
 """
