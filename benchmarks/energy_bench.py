@@ -34,7 +34,7 @@ from nvml import NVML  # noqa: E402
 from nanovllm.kernels.attention import paged_decode_attention  # noqa: E402
 
 
-def measure(nvml: NVML, name: str, fn, work: float, unit: str, seconds: float) -> dict:
+def measure(nvml: NVML, name: str, fn, work: float, unit: str, seconds: float) -> None:
     """Replay a graph of `fn` calls for about `seconds`; print time, power and energy per call, the rate in
     T`unit`/s and the energy in J per T`unit` (`work` = `unit`s per call: bytes read or FLOPs)."""
     fn()
@@ -65,12 +65,10 @@ def measure(nvml: NVML, name: str, fn, work: float, unit: str, seconds: float) -
     calls = n * reps
     us, watts, mj = dt / calls * 1e6, de / dt, de / calls * 1e3
     rate, per_unit = work / (dt / calls) / 1e12, de / (work * calls / 1e12)  # T<unit>/s, J per T<unit>
-    row = {"case": name, "us": us, "W": watts, "mJ": mj, f"J_per_T{unit}": per_unit, f"T{unit}_per_s": rate,
-           "sm_mhz": statistics.median(clocks) if clocks else None}
+    mhz = statistics.median(clocks) if clocks else None
     print(f"{name:44s} {us:9.1f} us {rate:7.2f} T{unit}/s {watts:6.0f} W {mj:8.3f} mJ/call "
-          f"{per_unit:7.2f} J/T{unit}  SM {row['sm_mhz']} MHz", flush=True)
+          f"{per_unit:7.2f} J/T{unit}  SM {mhz} MHz", flush=True)
     del graph
-    return row
 
 
 def main():
@@ -80,14 +78,13 @@ def main():
     nvml = NVML(torch.cuda.current_device())
     dev = "cuda"
     print(f"{torch.cuda.get_device_name()}: idle SM clock {nvml.sm_clock_mhz()} MHz", flush=True)
-    rows = []
     for B in (256, 44):
         q, k, v, sl, bt, _, nbytes = decode_case(B, 600, 1100, 32)
-        rows.append(measure(nvml, f"decode attention {B} seqs ({nbytes / 1e6:.0f} MB)",
-                            partial(paged_decode_attention, q, k, v, sl, bt, 128 ** -0.5), nbytes, "B", ns.seconds))
+        measure(nvml, f"decode attention {B} seqs ({nbytes / 1e6:.0f} MB)",
+                partial(paged_decode_attention, q, k, v, sl, bt, 128 ** -0.5), nbytes, "B", ns.seconds)
         flat = torch.randn(nbytes // 2, device=dev, dtype=torch.bfloat16)
-        rows.append(measure(nvml, f"torch.sum over the same bytes ({B})",
-                            partial(torch.sum, flat, dtype=torch.float32), nbytes, "B", ns.seconds))
+        measure(nvml, f"torch.sum over the same bytes ({B})", partial(torch.sum, flat, dtype=torch.float32), nbytes,
+                "B", ns.seconds)
     H, L = 4096, 36
     shapes = {"qkv": (6144, H), "o": (H, H), "gate_up": (24576, H), "down": (H, 12288)}
     ws = {n: [torch.randn(s, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(L)] for n, s in shapes.items()}
@@ -100,14 +97,13 @@ def main():
             def layers(x=x, wl=wl, out=out):
                 for w in wl:
                     torch.mm(x, w.t(), out=out)
-            rows.append(measure(nvml, f"{n} GEMM x{L} layers, {M} rows", layers, 2 * M * N * K * L, "FLOP",
-                                ns.seconds))
+            measure(nvml, f"{n} GEMM x{L} layers, {M} rows", layers, 2 * M * N * K * L, "FLOP", ns.seconds)
     M = 4096
     x = torch.randn(M, H, device=dev, dtype=torch.bfloat16)
     out = torch.empty(M, 24576, device=dev, dtype=torch.bfloat16)
     w = ws["gate_up"][0]
-    rows.append(measure(nvml, f"gate_up GEMM, {M} rows", lambda: torch.mm(x, w.t(), out=out),
-                        2 * M * 24576 * H, "FLOP", ns.seconds))
+    measure(nvml, f"gate_up GEMM, {M} rows", lambda: torch.mm(x, w.t(), out=out), 2 * M * 24576 * H, "FLOP",
+            ns.seconds)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """How much of a power-capped run's energy its GEMMs and KV reads account for, at their standalone energies.
 
     python benchmarks/energy_model.py --steps steps8.json --energy-log energy.log --measured-j 8540 \
-        [--config benchmarks/models/qwen3-8b/config.json]
+        [--model benchmarks/models/qwen3-8b]
 
 ``--steps`` is ``bench_offline.py --step-log``'s per-step list ([ms, sequences, tokens, KV tokens, decode]);
 ``--energy-log`` is ``energy_bench.py``'s output on the same machine (J per TB of the decode kernel at 256
@@ -14,17 +14,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from nanovllm.config import ModelConfig  # noqa: E402
 
 
-def per_row_flops(cfg: dict) -> tuple[dict[str, float], float]:
-    """FLOPs per token row of each projection over all layers, and of the LM head."""
-    H, D, L = cfg["hidden_size"], cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"], \
-        cfg["num_hidden_layers"]
-    q, kv, inter = cfg["num_attention_heads"] * D, cfg["num_key_value_heads"] * D, cfg["intermediate_size"]
-    proj = {"qkv": 2 * H * (q + 2 * kv) * L, "o": 2 * q * H * L, "gate_up": 2 * H * 2 * inter * L,
-            "down": 2 * inter * H * L}
-    return proj, 2 * H * cfg["vocab_size"]
+def per_row_flops(cfg: ModelConfig) -> tuple[dict[str, float], float]:
+    """FLOPs per token row of each projection over all layers, and of the LM head (together twice
+    ``cfg.matmul_params()``)."""
+    H, L = cfg.hidden_size, cfg.num_layers
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    proj = {"qkv": 2 * H * (q + 2 * kv) * L, "o": 2 * q * H * L, "gate_up": 2 * H * 2 * cfg.intermediate_size * L,
+            "down": 2 * cfg.intermediate_size * H * L}
+    return proj, 2 * H * cfg.vocab_size
 
 
 def read_rates(path: str) -> tuple[float, dict[str, float]]:
@@ -49,15 +55,14 @@ def main():
     ap.add_argument("--steps", required=True)
     ap.add_argument("--energy-log", required=True)
     ap.add_argument("--measured-j", type=float, required=True)
-    ap.add_argument("--config", default="benchmarks/models/qwen3-8b/config.json")
+    ap.add_argument("--model", default="benchmarks/models/qwen3-8b", help="a directory with config.json")
     ns = ap.parse_args()
-    cfg = json.load(open(ns.config))
+    cfg = ModelConfig.from_dir(ns.model)
     proj, head = per_row_flops(cfg)
     kv_j, gemm_j = read_rates(ns.energy_log)
     steps = json.load(open(ns.steps))
     rows, sampled = sum(s[2] for s in steps), sum(s[1] for s in steps)
-    D = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    kv_bytes = sum(s[3] for s in steps) * 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * D * 2
+    kv_bytes = sum(s[3] for s in steps) * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # bf16 K and V
     gemm = {n: rows * f / 1e12 * gemm_j[n] for n, f in proj.items()}
     # the LM head at the four projections' mean rate
     mean_j = sum(gemm.values()) / sum(rows * f / 1e12 for f in proj.values())

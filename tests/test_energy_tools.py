@@ -1,6 +1,5 @@
 """The energy accounting of benchmarks/ (RESULTS run 21): FLOPs per row, reading energy_bench's log, and the
 power monitor's arithmetic with a fake NVML."""
-import json
 import os
 import sys
 import time
@@ -13,9 +12,11 @@ sys.path.append(os.path.join(ROOT, "benchmarks"))  # (after the installed packag
 import energy_model  # noqa: E402
 from nvml import PowerMonitor  # noqa: E402
 
+from nanovllm.config import ModelConfig  # noqa: E402
+
 
 def test_per_row_flops_qwen3_8b():
-    cfg = json.load(open(os.path.join(ROOT, "benchmarks", "models", "qwen3-8b", "config.json")))
+    cfg = ModelConfig.from_dir(os.path.join(ROOT, "benchmarks", "models", "qwen3-8b"))
     proj, head = energy_model.per_row_flops(cfg)
     H, L = 4096, 36
     assert proj == {"qkv": 2 * H * (32 + 16) * 128 * L, "o": 2 * H * H * L, "gate_up": 2 * H * 2 * 12288 * L,
@@ -23,6 +24,19 @@ def test_per_row_flops_qwen3_8b():
     assert head == 2 * H * 151936
     # ~2 x the 6.95 B parameters of the projections
     assert sum(proj.values()) == pytest.approx(13.9e9, rel=0.01)
+    assert sum(proj.values()) + head == 2 * cfg.matmul_params()
+
+
+@pytest.mark.parametrize("extra, message", [(["--reinit-uniform", "-1"], "positive number"),
+                                            (["--reinit-uniform", "nan"], "positive number"),
+                                            (["--reinit-uniform", "1e-3", "--tensor-parallel-size", "2"],
+                                             "tensor_parallel_size=1")])
+def test_bench_offline_rejects_bad_reinit_before_start_up(extra, message, capsys):
+    import bench_offline
+    with pytest.raises(SystemExit) as e:
+        bench_offline.main(["--model", os.path.join(ROOT, "benchmarks", "models", "qwen3-0.6b"), *extra])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_read_rates_from_a_recorded_log():
