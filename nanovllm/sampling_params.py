@@ -96,7 +96,3 @@ class SamplingParams:
             self.stop_token_ids = list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0

@@ -1,4 +1,5 @@
-"""The per-row-count GEMM plan of the linear layers (``LinearBase.gemm_plan``, ``nanovllm.engine.gemm_plan``).
+"""The per-row-count GEMM plan of the linear layers (``GemmPlan`` of ``UnquantizedLinearMethod``,
+``nanovllm.engine.gemm_plan``).
 
 The real timing needs CUDA (the benchmarks run it on the GPU); here a fake timing function drives the choice
 (the margin, per-shape assignment, bias layers left alone, configs that don't build skipped). Also: a planned
@@ -28,6 +29,14 @@ class Recording:
         return out
 
 
+def _plan(layer, by_rows: dict) -> None:
+    layer.method.plan.choices[tuple(layer.weight.shape)] = by_rows
+
+
+def _planned(layer) -> dict:
+    return layer.method.plan.choices.get(tuple(layer.weight.shape), {})
+
+
 def _layer(cls, bias):
     torch.manual_seed(0)
     layer = cls(16, 8, bias, TPGroup())
@@ -41,7 +50,7 @@ def _layer(cls, bias):
 def test_plan_used_for_its_row_counts_only(cls):
     layer = _layer(cls, bias=False)
     rec = Recording()
-    layer.gemm_plan = {4: rec}
+    _plan(layer, {4: rec})
     for rows in (3, 4, 5, 4):
         x = torch.randn(rows, 16)
         torch.testing.assert_close(layer(x), x @ layer.weight.t())
@@ -51,7 +60,7 @@ def test_plan_used_for_its_row_counts_only(cls):
 def test_plan_skipped_with_a_bias():
     layer = _layer(ColumnParallelLinear, bias=True)
     rec = Recording()
-    layer.gemm_plan = {4: rec}
+    _plan(layer, {4: rec})
     x = torch.randn(4, 16)
     torch.testing.assert_close(layer(x), x @ layer.weight.t() + layer.bias)
     assert rec.rows == []
@@ -66,7 +75,7 @@ def test_row_parallel_plan_writes_into_the_reduce_buffer():
     layer = RowParallelLinear(16, 8, False, BufferGroup())
     layer.weight.data.normal_()
     rec = Recording()
-    layer.gemm_plan = {4: rec}
+    _plan(layer, {4: rec})
     x = torch.randn(4, 16)
     y = layer(x, reduce=False)
     assert y.data_ptr() == buf.data_ptr() and rec.rows == [4]
@@ -125,9 +134,9 @@ def test_plan_takes_a_candidate_only_beyond_the_margin():
     plan = plan_gemms(model, [1, 4, 8], use_triton=False, time_fn=fake)
     lt = GemmBackend("cublaslt")
     assert plan == {(32, 64): {1: lt, 4: lt}, (16, 32): {1: lt, 4: lt}}
-    assert model[0].gemm_plan == model[1].gemm_plan == {1: lt, 4: lt}   # every layer of the shape
-    assert model[2].gemm_plan == {1: lt, 4: lt}
-    assert model[3].gemm_plan == {}                                     # has a bias: never planned
+    assert _planned(model[0]) == _planned(model[1]) == {1: lt, 4: lt}   # every layer of the shape
+    assert _planned(model[2]) == {1: lt, 4: lt}
+    assert _planned(model[3]) == {}                                     # has a bias: never planned
     # the (32, 64) shape is timed over both of its layers' weights; cuBLAS (the default) is not timed twice
     assert sorted(set(fake.weights_per_call)) == [1, 2] and len(fake.weights_per_call) == 2 * 3 * 2
 
@@ -148,11 +157,13 @@ def test_plan_rejects_a_bad_margin():
         plan_gemms(_model(), [4], use_triton=False, margin=1.5, time_fn=FakeTimes({}))
 
 
-def test_switch_from_environment(tiny_ckpt, monkeypatch):
-    monkeypatch.setenv("NANOVLLM_GEMM_PLAN", "0")
+def test_engine_plans_only_with_cuda_graphs(tiny_ckpt):
+    """The plan is made for the CUDA-graph batch sizes: none on CPU (no graphs), and every layer of the model
+    shares the runner's plan."""
+    from nanovllm.layers.linear import LinearBase
     llm = LLM(tiny_ckpt("qwen3"), device="cpu", dtype="float32", kvcache_block_size=16)
-    assert llm.engine.runner.use_gemm_plan is False and llm.engine.runner.gemm_plan == {}
+    runner = llm.engine.runner
+    assert runner.graphs is None and runner.gemm_plan.choices == {}
+    layers = [m for m in runner.model.modules() if isinstance(m, LinearBase)]
+    assert layers and all(m.method.plan is runner.gemm_plan for m in layers)
     llm.shutdown()
-    monkeypatch.setenv("NANOVLLM_GEMM_PLAN", "yes")
-    with pytest.raises(ValueError, match="NANOVLLM_GEMM_PLAN must be 0 or 1, got 'yes'"):
-        LLM(tiny_ckpt("qwen3"), device="cpu", dtype="float32", kvcache_block_size=16)

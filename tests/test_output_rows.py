@@ -13,10 +13,15 @@ from tests.conftest import make_prompts
 
 
 def _run(path, prompts, trim: bool, arch_kwargs=None):
+    """Generate with the engine; trim=False runs every step's last layer on all rows (as a full forward does),
+    by handing the model no OutputRows."""
     llm = LLM(path, device="cpu", dtype="float32", max_num_batched_tokens=96, max_num_seqs=8,
               kvcache_block_size=16, **(arch_kwargs or {}))
     runner = llm.engine.runner
-    runner.trim_last_layer = trim
+    if not trim:
+        forward = runner.model.forward
+        runner.model.forward = lambda ids, pos, meta, rows=None: (
+            forward(ids, pos, meta) if rows is None else forward(ids, pos, meta)[rows.rows])
     mlp_rows: list[int] = []
     hook = runner.model.model.layers[-1].mlp.register_forward_pre_hook(lambda m, a: mlp_rows.append(a[0].shape[0]))
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
@@ -51,6 +56,7 @@ def test_sampled_rows_out_of_order(tiny_ckpt):
     llm = LLM(tiny_ckpt("qwen3"), device="cpu", dtype="float32", kvcache_block_size=16)
     runner = llm.engine.runner
     lens = [7, 20, 33]            # sequence 1's chunk is not its prompt's end: only 0 and 2 sample
+    last = [6, 7 + 20 + 33 - 1]
     prompts = make_prompts(lens, seed=3)
     tables, slots, positions, cu, first = [], [], [], [0], 0
     for n in lens:
@@ -62,25 +68,15 @@ def test_sampled_rows_out_of_order(tiny_ckpt):
         first += nb
     batch = StepBatch(
         input_ids=[t for p in prompts for t in p], positions=positions, slot_mapping=slots, cu_seqlens_q=cu,
-        seq_lens=list(lens), block_tables=tables, max_seqlen_q=max(lens), is_decode=False, sample_rows=[0, 2],
+        seq_lens=list(lens), block_tables=tables, max_seqlen_q=max(lens), logits_indices=last, logits_seqs=[0, 2],
         sampling=SamplingBatch(temperatures=[0.0] * 2, top_ks=[0] * 2, top_ps=[1.0] * 2, min_ps=[0.0] * 2,
                                seeds=[0, 1], steps=[0] * 2, logprobs=[5, 5]))
-    results = {}
-    for trim in (False, True):
-        runner.trim_last_layer = trim
-        results[trim] = runner.execute(batch)
+    results = {True: runner.execute(batch)}
+    forward = runner.model.forward
+    runner.model.forward = lambda ids, pos, meta, rows=None: forward(ids, pos, meta)[rows.rows]  # untrimmed
+    results[False] = runner.execute(batch)
     llm.shutdown()
     assert results[True].token_ids == results[False].token_ids
     assert results[True].top_ids == results[False].top_ids
     torch.testing.assert_close(torch.tensor(results[True].top_logprobs), torch.tensor(results[False].top_logprobs),
                                rtol=0, atol=1e-5)
-
-
-def test_switch_from_environment(tiny_ckpt, monkeypatch):
-    monkeypatch.setenv("NANOVLLM_TRIM_LAST_LAYER", "0")
-    llm = LLM(tiny_ckpt("qwen3"), device="cpu", dtype="float32", kvcache_block_size=16)
-    assert llm.engine.runner.trim_last_layer is False and llm.engine.runner.decode_order is True
-    llm.shutdown()
-    monkeypatch.setenv("NANOVLLM_TRIM_LAST_LAYER", "off")
-    with pytest.raises(ValueError, match="NANOVLLM_TRIM_LAST_LAYER must be 0 or 1, got 'off'"):
-        LLM(tiny_ckpt("qwen3"), device="cpu", dtype="float32", kvcache_block_size=16)

@@ -10,7 +10,7 @@ def test_warmup_forward_runs_on_cpu(tiny_ckpt):
     """The profiling pass used to size the KV cache on CUDA (throwaway cache, logits and sampling)."""
     llm = LLM(tiny_ckpt("qwen3"), device="cpu", kvcache_block_size=16, max_num_batched_tokens=100)
     runner = llm.engine.runner
-    runner._warmup_forward([60, 30, 10])
+    runner.warmup([60, 30, 10])
     # the real cache is untouched and generation still works
     out = llm.generate([[1, 2, 3]], use_tqdm=False)
     assert len(out[0]["token_ids"]) == 16
@@ -21,7 +21,7 @@ def test_shutdown_releases_the_model_and_refuses_new_steps(tiny_ckpt):
     runner = llm.engine.runner
     assert runner.kv_cache is not None and runner.model is not None
     llm.shutdown()
-    assert runner.kv_cache is None and runner.model is None and runner.attn_layers == []
+    assert runner.kv_cache is None and runner.model is None and runner.attn_layers == [] and not runner.is_alive
     llm.shutdown()  # idempotent
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate([[1, 2, 3]], use_tqdm=False)
@@ -40,7 +40,7 @@ def test_banned_tokens_without_room_in_the_staging_layout(tiny_ckpt):
                        steps=[0, 0], logprobs=[None, None], banned=[(0, 5), (1, 9), (1, 11)])
     layout = Layout.make(4, 4, 1, 4)  # no banned pairs (as a graph's)
     v = layout.views(torch.zeros(layout.nbytes, dtype=torch.uint8))
-    t = runner._sampling_from(v, sb)
+    t = runner._sampling_tensors(v, sb)
     assert t.banned_rows.tolist() == [0, 1, 1] and t.banned_tokens.tolist() == [5, 9, 11]
     assert t.temperatures.tolist() == [0.0, 0.0]  # (the views themselves, zeros here)
 
@@ -54,6 +54,7 @@ def test_mixed_graph_forward_matches_the_eager_step(tiny_ckpt, monkeypatch, rows
     greedy tokens, and the same decode-kernel variant."""
     pytest.importorskip("triton")
     import math
+    from types import SimpleNamespace
 
     import torch
 
@@ -79,9 +80,9 @@ def test_mixed_graph_forward_matches_the_eager_step(tiny_ckpt, monkeypatch, rows
     out = sched.schedule()                                   # two decode rows, then a 56-token chunk
     assert out.num_new_tokens[:2] == [1, 1] and out.num_new_tokens[2] > 1
     batch = build_step_batch(out, 16)
-    runner.graph_width = math.ceil(256 / 16)
-    runner.mixed_layouts = {rows: Layout.make(rows, 8, runner.graph_width, 8)}
-    v = runner.staging.upload(batch, runner.mixed_layouts[rows])
+    width = math.ceil(256 / 16)
+    runner.graphs = SimpleNamespace(width=width)  # what the step graph's body reads of its CUDAGraphs
+    v = runner.staging.upload(batch, Layout.make(rows, 8, width, 8))
     # the decode kernel's compile-time options in each path (an eager mixed step must reuse the graphs' variant:
     # another would compile mid-run on a GPU)
     variants = []
@@ -98,7 +99,8 @@ def test_mixed_graph_forward_matches_the_eager_step(tiny_ckpt, monkeypatch, rows
         persistent.append(kw.get("persistent"))
         return prefill(*args, **kw)
     monkeypatch.setattr(runner.backend.k, "paged_prefill_attention", spy_prefill)
-    logits = runner.model.compute_logits(runner._mixed_forward(rows, v)[:len(batch.sample_rows)])
+    logits = runner.model.compute_logits(runner._step_forward(v, rows, 8)[:batch.num_logits])
+    runner.graphs = None
     assert set(persistent) == {rows <= 512}
     graph_variants, variants[:] = set(variants), []
     eager = []
@@ -110,36 +112,35 @@ def test_mixed_graph_forward_matches_the_eager_step(tiny_ckpt, monkeypatch, rows
     assert set(variants) == graph_variants == {(1, True, True)}
 
 
-def test_prefill_graph_sizes(monkeypatch):
-    """Large prefill steps get graphs (powers of two from 1024, then the token budget) for a small model per GPU,
-    where mixed steps have graphs at all (NANOVLLM_PREFILL_GRAPHS unset or auto); 1 forces them for any model,
-    0 is off; anything else is an error."""
+def test_graph_sizes():
+    """Decode graphs at 1, 2, 4, 8 and every 16 sequences; step graphs every 128 tokens up to 512 where mixed steps
+    have graphs at all (CUDA, graphs on, the triton backend); large prefill steps (powers of two from 1024, then
+    the token budget) only for a small model per GPU."""
     from types import SimpleNamespace
 
     import torch
 
-    from nanovllm.engine.model_runner import PREFILL_GRAPH_MAX_WEIGHT_BYTES, prefill_graph_sizes
+    from nanovllm.engine.cuda_graphs import (
+        PREFILL_GRAPH_MAX_WEIGHT_BYTES,
+        decode_graph_sizes,
+        mixed_graph_sizes,
+        prefill_graph_sizes,
+    )
 
-    def config(params, budget=8192, tp=1, device="cuda", eager=False, backend="triton"):
+    def config(params, budget=8192, tp=1, device="cuda", eager=False, backend="triton", seqs=256):
         return SimpleNamespace(device=torch.device(device), dtype=torch.bfloat16, attention_backend=backend,
-                               max_num_batched_tokens=budget, model=SimpleNamespace(matmul_params=lambda: params),
+                               max_num_batched_tokens=budget, max_num_seqs=seqs,
+                               model=SimpleNamespace(matmul_params=lambda: params),
                                args=SimpleNamespace(enforce_eager=eager, tensor_parallel_size=tp))
     small, large = 0.6e9, 8e9  # parameters: 1.2 GB and 16 GB of bf16 weights
     assert 2 * small < PREFILL_GRAPH_MAX_WEIGHT_BYTES < 2 * large / 2
-    monkeypatch.delenv("NANOVLLM_PREFILL_GRAPHS", raising=False)
-    assert prefill_graph_sizes(config(small)) == [1024, 2048, 4096, 8192]  # auto is the default
-    assert prefill_graph_sizes(config(large)) == []
-    monkeypatch.setenv("NANOVLLM_PREFILL_GRAPHS", "auto")
+    assert decode_graph_sizes(config(small, seqs=40)) == [1, 2, 4, 8, 16, 32, 40]
+    assert decode_graph_sizes(config(small))[-3:] == [224, 240, 256]
+    assert mixed_graph_sizes(config(small)) == [128, 256, 384, 512]
+    assert mixed_graph_sizes(config(small, budget=300)) == [128, 256]
     assert prefill_graph_sizes(config(small)) == [1024, 2048, 4096, 8192]
     assert prefill_graph_sizes(config(small, budget=6000)) == [1024, 2048, 4096, 6000]
     assert prefill_graph_sizes(config(small, budget=512)) == []
     assert prefill_graph_sizes(config(large)) == prefill_graph_sizes(config(large, tp=2)) == []
     for off in (dict(device="cpu"), dict(eager=True), dict(backend="torch")):
-        assert prefill_graph_sizes(config(small, **off)) == []
-    monkeypatch.setenv("NANOVLLM_PREFILL_GRAPHS", "1")
-    assert prefill_graph_sizes(config(large)) == [1024, 2048, 4096, 8192]
-    monkeypatch.setenv("NANOVLLM_PREFILL_GRAPHS", "0")
-    assert prefill_graph_sizes(config(small)) == []
-    monkeypatch.setenv("NANOVLLM_PREFILL_GRAPHS", "yes")
-    with pytest.raises(ValueError, match="NANOVLLM_PREFILL_GRAPHS must be auto, 0 or 1, got 'yes'"):
-        prefill_graph_sizes(config(small, device="cpu"))
+        assert mixed_graph_sizes(config(small, **off)) == prefill_graph_sizes(config(small, **off)) == []

@@ -22,7 +22,7 @@ def _tensors(B, temps, top_k=0, top_p=1.0, min_p=0.0, seeds=None, steps=None):
         min_ps=torch.full((B,), min_p), seeds=seeds,
         steps=torch.tensor(steps if steps is not None else [0] * B, dtype=torch.int64),
         banned_rows=None, banned_tokens=None,
-        all_greedy=bool((t == 0).all()), any_greedy=bool((t == 0).any()), need_top_k=top_k > 0,
+        all_greedy=bool((t == 0).all()), need_top_k=top_k > 0,
         need_top_p=top_p < 1.0, need_min_p=min_p > 0.0, max_logprobs=None)
 
 

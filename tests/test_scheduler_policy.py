@@ -8,7 +8,7 @@ import pytest
 
 from nanovllm.engine.batch import build_step_batch
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.scheduler import Scheduler, is_decode_row
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 
@@ -21,13 +21,13 @@ def workload(n=48, seed=0):
     return prompts, [rng.randint(10, 200) for _ in range(n)]
 
 
-def simulate(policy, prompts, max_tokens, budget=2048, step_sizes=SIZES, stop_ids=frozenset(), hold=True,
-             blocks=4096, finished=None):
+def simulate(policy, prompts, max_tokens, budget=2048, step_sizes=SIZES, stop_ids=frozenset(), blocks=4096,
+             finished=None, decode_rows=None):
     """Run the scheduler to the end; return each step's (sequences, tokens) and the admission order. The sampled
     token is never one of `stop_ids` (which only make the lengths unknown to the scheduler). `finished`: filled
-    with each request's last step."""
-    sched = Scheduler(BlockManager(blocks, 16, True), 256, budget, policy, step_sizes=step_sizes,
-                      hold_last_tokens=hold)
+    with each request's last step. `decode_rows`: filled with each step's decode-row flags, in step order, and its
+    `num_decode`."""
+    sched = Scheduler(BlockManager(blocks, 16, True), 256, budget, policy, step_sizes=step_sizes)
     for i, (p, m) in enumerate(zip(prompts, max_tokens)):
         sched.add(Sequence(i, str(i), p, SamplingParams(max_tokens=m, ignore_eos=True), m, stop_ids, 0))
     steps, admitted = [], []
@@ -37,6 +37,8 @@ def simulate(policy, prompts, max_tokens, budget=2048, step_sizes=SIZES, stop_id
         admitted += [s.seq_id for s, n in zip(out.seqs, out.num_new_tokens)
                      if s.num_computed_tokens == 0 and s.seq_id not in admitted]
         steps.append(list(zip(out.seqs, out.num_new_tokens)))
+        if decode_rows is not None:
+            decode_rows.append(([is_decode_row(s, n) for s, n in zip(out.seqs, out.num_new_tokens)], out.num_decode))
         for seq, _ in sched.on_step_done(out):
             seq.token_ids[-1] = 7
             if seq.num_output_tokens >= seq.max_tokens:
@@ -76,25 +78,20 @@ def test_balanced_spreads_prefill_and_fills_step_sizes():
 def test_balanced_holds_last_prompt_tokens_so_requests_finish_together():
     """Prompts are computed ahead, but each request's last prompt token (which samples its first token) waits
     until the request must start: every request then finishes in the run's last step, so the tail is as full as
-    the rest. Without the hold (or when the KV cache could not hold every request at full length) requests
-    start when their prompt is done and many finish early, leaving thin last steps."""
+    the rest. When the KV cache could not hold every request at full length there is no hold: requests start
+    when their prompt is done and finish at different steps."""
     prompts, max_tokens = workload()
     tokens = lambda run: [sum(n for _, n in st) for st in run]  # noqa: E731
-    done, done_nohold, done_tight = {}, {}, {}
+    done, done_tight = {}, {}
     steps, _ = simulate("balanced", prompts, max_tokens, finished=done)
-    nohold, _ = simulate("balanced", prompts, max_tokens, hold=False, finished=done_nohold)
-    assert len(steps) == len(nohold) == max(max_tokens)
+    assert len(steps) == max(max_tokens)
     last = len(steps) - 1
     assert set(done.values()) == {last}
-    assert sum(d < last - 20 for d in done_nohold.values()) > len(prompts) // 2
-    # the last 20 steps decode every request; without the hold, fewer than half of them on average
+    # the last 20 steps decode every request
     assert tokens(steps)[-20:] == [len(prompts)] * 20
-    assert sum(tokens(nohold)[-20:]) / 20 < len(prompts) / 2
-    # not enough KV cache for every request at its full length: no hold, the same run as without it
+    # not enough KV cache for every request at its full length: no hold, many finish early
     tight, _ = simulate("balanced", prompts, max_tokens, blocks=600, finished=done_tight)
-    as_ids = lambda run: [[(s.seq_id, n) for s, n in st] for st in run]  # noqa: E731
-    assert as_ids(tight) == as_ids(simulate("balanced", prompts, max_tokens, blocks=600, hold=False)[0])
-    assert done_tight != done
+    assert sum(d < len(tight) - 20 for d in done_tight.values()) > len(prompts) // 2
 
 
 def test_balanced_holds_back_only_requests_of_known_length():
@@ -107,15 +104,16 @@ def test_balanced_holds_back_only_requests_of_known_length():
     assert as_ids(steps) == as_ids(fcfs_steps)
 
 
-def test_one_token_sequences_come_first():
+def test_decode_rows_come_first():
     prompts, max_tokens = workload(24, seed=3)
     for policy in ("fcfs", "balanced"):
-        steps, _ = simulate(policy, prompts, max_tokens, budget=256)
+        flags = []
+        simulate(policy, prompts, max_tokens, budget=256, decode_rows=flags)
         mixed = 0
-        for st in steps:
-            ones = [n == 1 for _, n in st]
-            assert ones == sorted(ones, reverse=True)  # every one-token sequence before every chunk
-            mixed += any(ones) and not all(ones)
+        for rows, num_decode in flags:
+            assert rows == sorted(rows, reverse=True)  # every decode row before every other sequence
+            assert num_decode == sum(rows)
+            mixed += any(rows) and not all(rows)
         assert mixed > 0
 
 
@@ -170,20 +168,6 @@ def test_engine_policy_args(tiny_ckpt):
     assert server_engine_args(parser.parse_args(["serve", path])).scheduling_policy == "fcfs"
     ns = parser.parse_args(["serve", path, "--scheduling-policy", "balanced"])
     assert server_engine_args(ns).scheduling_policy == "balanced"
-
-
-@pytest.mark.parametrize("name,value", [("NANOVLLM_MIXED_GRAPH_STEP", "100"), ("NANOVLLM_MIXED_OVERLAP", "yes"),
-                                        ("NANOVLLM_PREFILL_PERSISTENT", "on"), ("NANOVLLM_BALANCED_HOLD", "2"),
-                                        ("NANOVLLM_MIXED_LM_TRIM", "true"), ("NANOVLLM_PREFILL_GRAPHS", "yes")])
-def test_mixed_step_switches_checked_on_every_device(tiny_ckpt, monkeypatch, name, value):
-    """The A/B switches of mixed steps are checked when the engine starts, also where they change nothing
-    (CPU): a typo is an error naming the variable, not a silently ignored setting."""
-    from nanovllm import LLM
-    if name == "NANOVLLM_MIXED_OVERLAP":
-        pytest.importorskip("triton")
-    monkeypatch.setenv(name, value)
-    with pytest.raises(ValueError, match=f"{name} must be .*got '{value}'"):
-        LLM(tiny_ckpt("qwen3"), device="cpu", dtype="float32", attention_backend="triton")
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

@@ -6,6 +6,7 @@ real code path (partials, one all-gather, reduction) runs for tp = 2, 3, 4 witho
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +16,7 @@ import torch
 
 from nanovllm.distributed.group import TPGroup
 from nanovllm.layers.embed_head import ParallelLMHead
+from nanovllm.layers.ops import TORCH_OPS
 from nanovllm.layers.sampler import (
     Sampler,
     SamplingTensors,
@@ -141,7 +143,7 @@ def _tensors(temps, top_k=None, top_p=None, logprobs=None, banned=None, seed=0):
     return SamplingTensors(
         temperatures=t, top_ks=top_ks, top_ps=top_ps, min_ps=torch.zeros(B),
         seeds=torch.randint(0, 2**62, (B,), generator=g), steps=torch.randint(0, 1000, (B,), generator=g),
-        banned_rows=rows, banned_tokens=toks, all_greedy=bool((t <= 0).all()), any_greedy=bool((t <= 0).any()),
+        banned_rows=rows, banned_tokens=toks, all_greedy=bool((t <= 0).all()),
         need_top_k=bool((top_ks > 0).any()), need_top_p=bool((top_ps < 1).any()), need_min_p=False,
         max_logprobs=logprobs)
 
@@ -159,7 +161,8 @@ def run_ranks(logits, t, tp, dtype=torch.float32, fused_partial=None):
             # padding: what the zero rows of the LM head give (it would win rows of negative logits)
             local = torch.zeros(B, shard.size, dtype=dtype, device=logits.device)
             local[:, :shard.valid] = logits[:, shard.start:shard.start + shard.valid]
-            results[r] = Sampler(vocab_shard=shard, fused_partial=fused_partial)(local, t)
+            ops = dataclasses.replace(TORCH_OPS, sample_partial=fused_partial)
+            results[r] = Sampler(ops, vocab_shard=shard)(local, t)
         except BaseException as e:  # surface in the main thread
             errors.append(e)
             hub.barrier.abort()

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 
 from nanovllm.attention.torch_ref import paged_attention_ref, store_kvcache_ref
-from nanovllm.utils.env import env_switch
 
 
 @dataclass
@@ -89,9 +88,6 @@ class TritonAttentionBackend(AttentionBackend):
             raise ValueError("attention_backend='triton' needs the triton package; use attention_backend='torch'")
         self.k = kernels
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        # mixed steps on a GPU: the two kernels side by side on two streams (NANOVLLM_MIXED_OVERLAP=0: one after
-        # the other, for A/B runs)
-        self.overlap = env_switch("NANOVLLM_MIXED_OVERLAP")
 
     def store(self, k, v, k_cache, v_cache, slot_mapping):
         self.k.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
@@ -109,7 +105,7 @@ class TritonAttentionBackend(AttentionBackend):
         # decode kernel's many short ones.
         B = meta.decode_lens.shape[0]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        side = self._side_stream(q.device) if self.overlap else None
+        side = self._side_stream(q.device)
         if side is not None:
             main = torch.cuda.current_stream(q.device)
             side.wait_stream(main)

@@ -12,7 +12,7 @@ itself, so there is no window in which another process could take it).
                                             ModelRunner(config, TPGroup(r, size, WORLD))
     wait for Ready from every rank <------  Ready(num_kvcache_blocks)   (already MIN-agreed)
     launch(batch) -> TPStep N:
-        pickle StepMsg(N) once, send -----> runner.launch(N, prev)   (queued on the device behind N-1)
+        pickle StepMsg(N) once, send -----> runner.launch(N)   (queued on the device behind N-1)
                                             wait for N-1, send Done(N-1)  (StepResult on rank 0, else None)
     handle N-1 .result():
         read Done(N-1)             <------
@@ -141,8 +141,8 @@ class TPStep:
 
 
 class TPExecutor:
-    """Runs a ModelRunner per rank in worker processes; quacks like a ModelRunner for the engine:
-    `num_kvcache_blocks`, `launch(batch, prev) -> handle` (handle.result() -> StepResult),
+    """Runs a ModelRunner per rank in worker processes; the engine's `Executor` (nanovllm.engine.executor):
+    `num_kvcache_blocks`, `launch(batch) -> handle` (handle.result() -> StepResult),
     `execute(batch) -> StepResult`, `shutdown()`.
 
     Step bookkeeping (driver side): steps are numbered; `_sent` is the latest step sent to every rank,
@@ -163,6 +163,7 @@ class TPExecutor:
         self.init_timeout = init_timeout if init_timeout is not None else _env_timeout("NANOVLLM_TP_INIT_TIMEOUT")
         self.step_timeout = step_timeout if step_timeout is not None else _env_timeout("NANOVLLM_TP_STEP_TIMEOUT")
         self._failure: str | None = None
+        self.load_seconds = self.kv_seconds = self.gemm_plan_seconds = self.capture_seconds = 0.0
         self._sent = -1
         self._acked = [-1] * self.size
         self._flushed = [-1] * self.size
@@ -212,15 +213,15 @@ class TPExecutor:
     def is_alive(self) -> bool:
         return self._failure is None and self._finalizer.alive
 
-    def launch(self, batch, prev: TPStep | None = None) -> TPStep:
+    def launch(self, batch) -> TPStep:
         """Send one step to every rank and return at once (the ranks launch it on their devices as soon as
         it arrives, queued behind the step before it). Placeholder inputs are filled by each rank from the
-        ids it sampled in the latest step, so `prev` must be that step's handle."""
-        return self._launch(batch, prev, report=False)
+        ids it sampled in the latest step."""
+        return self._launch(batch, report=False)
 
     def execute(self, batch):
         """Run one step on every rank; returns rank 0's StepResult."""
-        return self._launch(batch, None, report=True).result()
+        return self._launch(batch, report=True).result()
 
     def shutdown(self) -> None:
         """Stop the workers and release everything; idempotent (also runs at exit / garbage collection)."""
@@ -238,12 +239,8 @@ class TPExecutor:
         if not self._finalizer.alive:
             raise RuntimeError("the tensor-parallel executor has been shut down")
 
-    def _launch(self, batch, prev, report: bool) -> TPStep:
+    def _launch(self, batch, report: bool) -> TPStep:
         self._check_usable()
-        if batch.placeholder_pos and isinstance(prev, TPStep) and (prev._executor is not self
-                                                                   or prev.step != self._sent):
-            raise ValueError(f"placeholder inputs read the latest launched step ({self._sent}), "
-                             f"but prev is step {prev.step}")
         # every report due before this step goes out: then no rank can be blocked writing to the driver
         # while the driver writes this step to it, and each pipe holds at most a step's worth of messages
         self._pump(self._due_late, self.step_timeout, "the previous step")

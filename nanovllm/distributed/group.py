@@ -44,13 +44,13 @@ class TPGroup:
         """``norm(sum over the ranks of partial, residual)`` -> (normed, new residual), for an RMSNorm module
         ``norm`` and a row-parallel layer's unreduced output ``partial`` (``forward(x, reduce=False)``).
 
-        With two ranks, the symmetric-memory reducer and the Triton kernels (``norm.fused`` set), the reduction
+        With two ranks, the symmetric-memory reducer and the Triton kernels (``norm.ops.fused``), the reduction
         runs inside the norm kernel (``SymmMemAllReduce.add_rms_norm_``); otherwise it is an all-reduce followed
         by the norm."""
         if self.size == 1:
             return norm(partial, residual)
         r = self.reducer
-        if r is not None and getattr(norm, "fused", None) is not None and r.can_fuse_norm(partial):
+        if r is not None and norm.ops.fused and r.can_fuse_norm(partial):
             return r.add_rms_norm_(partial, residual, norm.weight, norm.eps)
         return norm(self.all_reduce(partial), residual)
 

@@ -10,8 +10,7 @@ Each engine owns one ``SymmMemAllReduce`` (built by the model runner, collective
 two symmetric buffers used in turn: a layer writes its partial result straight into ``buffer()``, reduces it
 in place and hands the buffer on. A result stays valid until the next-but-one reduction, which is enough for
 the decoder (each reduced tensor is consumed by the norm right after it). Anything it can't take (another
-dtype, a size that doesn't fit or isn't 16-byte divisible per rank) goes through NCCL, as does everything
-when ``NANOVLLM_ALLREDUCE=nccl``.
+dtype, a size that doesn't fit or isn't 16-byte divisible per rank) goes through NCCL.
 
 Two ranks: fused with the norm after it
 ---------------------------------------
@@ -21,7 +20,7 @@ that this rank's partial is written, waits for the peer's signal, reads this ran
 (through its peer mapping), adds them and the residual, normalizes and writes the result locally. That
 replaces the two-shot kernel (its two barriers, a reduce-scatter and an all-gather over NVLink) plus the
 separate norm kernel; both ranks add the same two numbers (IEEE addition is commutative), so they hold the
-same bits. ``NANOVLLM_ALLREDUCE=twoshot`` turns the fusion off (for A/B runs). (A first version did the
+same bits. (A first version did the
 handshake with torch's barrier kernel before the norm kernel: 0.6% slower on the Qwen3-8B benchmark.)
 
 Why a buffer is never overwritten while the peer still reads it: a rank writes a buffer again only two
@@ -34,14 +33,10 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 
 import torch
 
 logger = logging.getLogger(__name__)
-
-
-_CHOICES = ("auto", "twoshot", "nccl")
 
 
 class SymmMemAllReduce:
@@ -100,17 +95,12 @@ class SymmMemAllReduce:
     @classmethod
     def maybe_create(cls, group, rank: int, world_size: int, max_numel: int, dtype: torch.dtype,
                      device: torch.device) -> SymmMemAllReduce | None:
-        """The reducer, or None (NCCL then does every all-reduce) when it is off, unsupported or failing.
+        """The reducer, or None (NCCL then does every all-reduce) when it is unsupported or failing.
         Every rank must call this at the same point: building it is collective."""
-        choice = os.environ.get("NANOVLLM_ALLREDUCE", "auto")
-        if choice not in _CHOICES:
-            raise ValueError(f"NANOVLLM_ALLREDUCE must be one of {_CHOICES}, got {choice!r}")
-        if choice == "nccl":
-            return None
         if device.type != "cuda" or world_size < 2 or dtype not in (torch.bfloat16, torch.float32):
             return None
         try:
-            return cls(group, rank, world_size, max_numel, dtype, device, fuse_norm=choice == "auto")
+            return cls(group, rank, world_size, max_numel, dtype, device)
         except Exception as e:  # noqa: BLE001 - any failure here means "use NCCL"
             logger.warning("symmetric-memory all-reduce unavailable (%s: %s); using NCCL", type(e).__name__, e)
             return None

@@ -6,7 +6,7 @@
         send Ready(num_kvcache_blocks)
         serve_steps(conn, rank, runner): the step loop (below)   |   ShutdownMsg / driver gone -> exit
 
-The step loop keeps one step "in flight": StepMsg N+1 -> runner.launch(N+1, prev) (queued on the GPU
+The step loop keeps one step "in flight": StepMsg N+1 -> runner.launch(N+1) (queued on the GPU
 behind step N), then wait for step N and send Done(N). So the device always has the next step queued
 while this rank waits for, and reports, the previous one; the driver reads Done(N) while step N+1 runs.
 `StepMsg(report=True)` (synchronous use) and `FlushMsg(N)` (the driver wants step N and has no step N+1
@@ -45,7 +45,7 @@ _PG_TIMEOUT = timedelta(seconds=float(os.environ.get("NANOVLLM_TP_PG_TIMEOUT", "
 
 
 # ModelRunner start-up timings passed back to the driver (max over ranks becomes TPExecutor.<name>)
-_TIMINGS = ("load_seconds", "capture_seconds", "gemm_plan_seconds")
+_TIMINGS = ("load_seconds", "kv_seconds", "capture_seconds", "gemm_plan_seconds")
 
 
 @dataclass(frozen=True)
@@ -135,14 +135,13 @@ class ProtocolError(RuntimeError):
 def serve_steps(conn, rank: int, runner, *, report_first: bool = False) -> bool:
     """Run steps from `conn` until ShutdownMsg (returns True) or EOF (the driver is gone: False).
 
-    `runner` needs `launch(batch, prev) -> pending` with `pending.result()` (a ModelRunner, or a stand-in
+    `runner` needs `launch(batch) -> pending` with `pending.result()` (a ModelRunner, or a stand-in
     in the protocol tests and benchmarks). Raises ProtocolError if the driver's messages are out of order.
 
     `report_first`: report a finished step as soon as the next message arrives, before unpickling and
     launching it (CPU, where `launch` computes the whole step). Otherwise launch first, then wait for and
     report the previous step, unless (rank 0) the previous step is already done on the device: then the
     host, not the device, is the bottleneck, and the driver gets its tokens an unpickle + launch earlier."""
-    last = None            # the latest launched step: the next launch's `prev`
     unreported = None      # (step id, pending) launched and not reported yet
     reported = -1          # the latest step reported
     expect = 0             # the next step id
@@ -167,8 +166,7 @@ def serve_steps(conn, rank: int, runner, *, report_first: bool = False) -> bool:
             if msg.step != expect:
                 raise ProtocolError(f"got step {msg.step}, expected step {expect}")
             expect += 1
-            launched = runner.launch(msg.batch, last)
-            last = launched
+            launched = runner.launch(msg.batch)
             if unreported is not None:
                 report()  # waits for the previous step while this one is queued behind it
             unreported = (msg.step, launched)

@@ -13,7 +13,7 @@ from nanovllm.engine.sequence import PLACEHOLDER
 
 @dataclass
 class SamplingBatch:
-    """Sampling parameters of the sequences that sample this step, row by row."""
+    """Sampling parameters of the step's logits rows, row by row."""
     temperatures: list[float] = field(default_factory=list)
     top_ks: list[int] = field(default_factory=list)
     top_ps: list[float] = field(default_factory=list)
@@ -33,16 +33,19 @@ class StepBatch:
     seq_lens: list[int]           # (B,) cached tokens per sequence after this step
     block_tables: list[list[int]]  # (B, *) ragged
     max_seqlen_q: int
-    is_decode: bool
-    sample_rows: list[int]        # sequences (indices into B) whose last token is sampled
+    # token rows (indices into T) whose logits are computed and sampled, in order, and the sequence (index into
+    # B) of each. Today one row per sampling sequence, its last; a sequence verifying k draft tokens would have
+    # 1 + k consecutive rows. `sampling` has one entry per row.
+    logits_indices: list[int]
+    logits_seqs: list[int]
     sampling: SamplingBatch
+    # the leading decode rows (see SchedulerOutput.num_decode): a mixed step's attention runs them through the
+    # decode kernel and the rest through the varlen kernel; all of them: a pure decode step
+    num_decode: int = 0
     # async scheduling: input_ids[placeholder_pos[i]] is row placeholder_rows[i] of the previous step's
     # sampled ids, still on the device
     placeholder_pos: list[int] = field(default_factory=list)
     placeholder_rows: list[int] = field(default_factory=list)
-    # the leading sequences that compute one token each (the scheduler puts them first): a mixed step's
-    # attention can run them through the decode kernel and the rest through the varlen kernel
-    num_decode: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -52,6 +55,15 @@ class StepBatch:
     def num_seqs(self) -> int:
         return len(self.seq_lens)
 
+    @property
+    def num_logits(self) -> int:
+        return len(self.logits_indices)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence is a decode row (one token, its last; every row is sampled)."""
+        return self.num_decode == self.num_seqs > 0
+
 
 def build_step_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
     input_ids: list[int] = []
@@ -60,7 +72,8 @@ def build_step_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
     cu = [0]
     seq_lens: list[int] = []
     tables: list[list[int]] = []
-    sample_rows: list[int] = []
+    logits_indices: list[int] = []
+    logits_seqs: list[int] = []
     sb = SamplingBatch()
     ph_pos: list[int] = []
     ph_rows: list[int] = []
@@ -83,8 +96,9 @@ def build_step_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
         seq_lens.append(end)
         tables.append(table)
         if end == seq.num_tokens:
-            row = len(sample_rows)
-            sample_rows.append(b)
+            row = len(logits_indices)
+            logits_indices.append(cu[-1] - 1)
+            logits_seqs.append(b)
             p = seq.params
             step = seq.num_output_tokens
             sb.temperatures.append(float(p.temperature))
@@ -98,6 +112,5 @@ def build_step_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
                 sb.banned.extend((row, t) for t in seq.stop_ids)
     return StepBatch(input_ids=input_ids, positions=positions, slot_mapping=slots, cu_seqlens_q=cu,
                      seq_lens=seq_lens, block_tables=tables, max_seqlen_q=max(out.num_new_tokens, default=0),
-                     is_decode=out.is_decode, sample_rows=sample_rows, sampling=sb,
-                     placeholder_pos=ph_pos, placeholder_rows=ph_rows,
-                     num_decode=next((b for b, n in enumerate(out.num_new_tokens) if n != 1), len(out.seqs)))
+                     logits_indices=logits_indices, logits_seqs=logits_seqs, sampling=sb,
+                     num_decode=out.num_decode, placeholder_pos=ph_pos, placeholder_rows=ph_rows)

@@ -2,16 +2,17 @@
 
 At decode batch sizes no single GEMM library wins everywhere: on an H200, cuBLAS and cuBLASLt trade places by
 10-30% from one (layer, rows) pair to the next, and at <= 32 rows the swapped-tile Triton kernel
-(``nanovllm.kernels.matmul``) is up to 11% faster than either for some shapes (``benchmarks/gemm_sweep.py``,
-RESULTS run 16). So before
+(``nanovllm.kernels.matmul``) is up to 11% faster than either for some shapes (measured in RESULTS run 16).
+So before
 the decode graphs are captured, the runner times each candidate on the real weights: for every distinct
 (out, in) weight shape, one CUDA graph runs the product with *every* layer of that shape in turn (so the
 weights stream from HBM as in a real step, not from L2), for each graph batch size. A candidate replaces
 torch's default (``F.linear``) only when it is at least ``margin`` faster, so near-ties keep the default and
 the choice (hence the output bits) is stable from run to run.
 
-The choice is stored on each layer (``LinearBase.gemm_plan``: rows -> backend) and used for exactly those row
-counts (the decode and mixed-step graph sizes the runner passes); every other product stays ``F.linear``.
+The choice goes into the ``GemmPlan`` of the layers' ``UnquantizedLinearMethod`` ((out, in) -> rows -> backend)
+and is used for exactly those row counts (the decode and mixed-step graph sizes the runner passes); every other
+product stays ``F.linear``.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanovllm.layers.linear import LinearBase
+from nanovllm.layers.linear import LinearBase, UnquantizedLinearMethod
 
 logger = logging.getLogger(__name__)
 
@@ -128,15 +129,15 @@ def time_product(backend: GemmBackend | None, x: torch.Tensor, weights: list[tor
 
 def plan_gemms(model: torch.nn.Module, sizes: list[int], *, use_triton: bool, margin: float = 0.05,
                time_fn=time_product) -> dict[tuple[int, int], dict[int, GemmBackend]]:
-    """Time the candidates (``time_fn``, CUDA graphs by default) and set ``gemm_plan`` on every bias-free linear
-    layer of ``model``.
+    """Time the candidates (``time_fn``, CUDA graphs by default) and fill the ``GemmPlan`` of every bias-free
+    unquantized linear layer of ``model``.
 
     Returns {(N, K): {rows: chosen backend}} for the rows where something beat the default by ``margin``."""
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
     groups: dict[tuple[int, int], list[LinearBase]] = defaultdict(list)
     for m in model.modules():
-        if isinstance(m, LinearBase) and m.bias is None and m.weight.dim() == 2:
+        if isinstance(m, LinearBase) and isinstance(m.method, UnquantizedLinearMethod) and m.bias is None:
             groups[tuple(m.weight.shape)].append(m)
     # torch's current preference ("cublas" unless changed): what the default product already runs
     default_lib = str(torch.backends.cuda.preferred_blas_library()).rsplit(".", 1)[-1].lower()
@@ -170,9 +171,9 @@ def plan_gemms(model: torch.nn.Module, sizes: list[int], *, use_triton: bool, ma
                 chosen[rows] = best
                 logger.debug("GEMM (%d, %d) x %d rows: %s %.1f us vs default %.1f us", N, K, rows, best,
                              best_t * 1e6 / len(weights), base * 1e6 / len(weights))
-        for m in layers:
-            m.gemm_plan = dict(chosen)
         if chosen:
+            for layer_plan in {id(m.method.plan): m.method.plan for m in layers}.values():
+                layer_plan.choices[(N, K)] = dict(chosen)
             plan[(N, K)] = chosen
     return plan
 

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from nanovllm.config import EngineArgs, EngineConfig
 from nanovllm.engine.batch import build_step_batch
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.cuda_graphs import mixed_graph_sizes
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, find_stop
-from nanovllm.engine.model_runner import mixed_graph_sizes
+from nanovllm.engine.executor import Executor
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.env import env_switch
 
 logger = logging.getLogger(__name__)
 
@@ -96,19 +96,16 @@ class LLMEngine:
             logger.warning("no tokenizer in %s: only token-id prompts are accepted", self.config.model_dir)
             self.tokenizer = None
         self.eos_token_ids = _eos_ids(self.config.model_dir, self.config.model.eos_token_ids, self.tokenizer)
-        self.runner = self._make_runner()
+        self.runner: Executor = self._make_runner()
         self.block_manager = BlockManager(self.runner.num_kvcache_blocks, self.config.block_size,
                                           args.enable_prefix_caching)
-        # balanced policy: prompts computed ahead, last prompt tokens held until their request must start
-        # (NANOVLLM_BALANCED_HOLD=0: each request starts as soon as its prompt is computed; for A/B runs)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, self.config.scheduling_policy,
-                                   step_sizes=mixed_graph_sizes(self.config),
-                                   hold_last_tokens=env_switch("NANOVLLM_BALANCED_HOLD"))
+                                   step_sizes=mixed_graph_sizes(self.config))
         self.requests: dict[str, Sequence] = {}
         # async scheduling: the launched step whose tokens are not read yet, with its (seq, row) pairs
         self._inflight: tuple | None = None
-        self.async_scheduling = self.config.async_scheduling and hasattr(self.runner, "launch")
+        self.async_scheduling = self.config.async_scheduling
         self._seq_ids = itertools.count()
         self._noise_rng = random.Random(args.seed)
         # counters (for tqdm and /metrics)
@@ -116,7 +113,7 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self.startup_seconds = time.perf_counter() - t0
 
-    def _make_runner(self):
+    def _make_runner(self) -> Executor:
         if self.config.args.tensor_parallel_size > 1:
             from nanovllm.distributed.executor import TPExecutor
             return TPExecutor(self.config)
@@ -215,11 +212,10 @@ class LLMEngine:
         num_prefill = 0
         if sched:
             batch = build_step_batch(sched, self.config.block_size)
-            num_decode = sum(1 for s, n in zip(sched.seqs, sched.num_new_tokens)
-                             if n == 1 and s.num_output_tokens > 0 and s.num_computed_tokens == s.num_tokens - 1)
-            num_prefill = sched.num_tokens - num_decode
-            prev = self._inflight[0] if self._inflight is not None else None
-            handle = self.runner.launch(batch, prev) if self.async_scheduling else self.runner.execute(batch)
+            # prompt tokens (or tokens recomputed after a preemption) this step computes: all but the decode rows
+            # whose token is an output token
+            num_prefill = sched.num_tokens - sum(1 for s in sched.seqs[:sched.num_decode] if s.num_output_tokens)
+            handle = self.runner.launch(batch) if self.async_scheduling else self.runner.execute(batch)
             launched = (handle, sched)
         outputs, num_sampled = [], 0
         if self._inflight is not None:  # the previous step's tokens (its successor is already queued)
@@ -308,6 +304,4 @@ class LLMEngine:
             metrics=metrics)
 
     def shutdown(self) -> None:
-        close = getattr(self.runner, "shutdown", None)
-        if close is not None:
-            close()
+        self.runner.shutdown()

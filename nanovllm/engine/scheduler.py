@@ -11,8 +11,9 @@ and `num_tokens` (known tokens); each step hands out up to `max_num_batched_toke
    reuses whatever prefix the cache holds and is admitted with a chunk of its remaining tokens.
 
 Chunked prefill, prefix-cache hits, decode and mixed prefill+decode batches all come out of these two
-loops. A sequence whose chunk reaches its last known token gets a new token sampled this step. Sequences that
-compute one token this step come first in the step (so a backend can send them to its decode kernel).
+loops. A sequence whose chunk reaches its last known token gets a new token sampled this step. Decode rows
+(sequences that compute one token, their last) come first in the step (so a backend can send them to its decode
+kernel).
 
 Policies (what decides how much prefill joins a step):
 * ``fcfs``: waiting requests in arrival order, as much prefill as the token budget allows. Lowest time to first
@@ -47,12 +48,20 @@ from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 
+def is_decode_row(seq: Sequence, n: int) -> bool:
+    """A decode row: the sequence computes one token, its last known one, so the step samples its next token
+    from that row (a decode step proper, or a prompt's last token)."""
+    return n == 1 and seq.num_computed_tokens == seq.num_tokens - 1
+
+
 @dataclass
 class SchedulerOutput:
-    """One step's work: sequences and how many new tokens of each to compute."""
+    """One step's work: sequences and how many new tokens of each to compute. The decode rows
+    (`is_decode_row`) come first: `num_decode` of them."""
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    num_decode: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -60,9 +69,8 @@ class SchedulerOutput:
 
     @property
     def is_decode(self) -> bool:
-        """Every sequence computes exactly its last token (pure decode batch)."""
-        return all(n == 1 and s.num_computed_tokens == s.num_tokens - 1
-                   for s, n in zip(self.seqs, self.num_new_tokens))
+        """Every sequence is a decode row (pure decode batch)."""
+        return self.num_decode == len(self.seqs) > 0
 
     def __bool__(self) -> bool:
         return bool(self.seqs)
@@ -70,10 +78,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "fcfs", step_sizes: list[int] | tuple[int, ...] = (), hold_last_tokens: bool = True):
+                 policy: str = "fcfs", step_sizes: list[int] | tuple[int, ...] = ()):
         """`step_sizes`: token counts the runner runs fastest (its mixed-step CUDA graphs); the balanced policy
-        rounds its steps up to one of them, so no graph row is padding. `hold_last_tokens`: the balanced policy may
-        hold a request's last prompt token back until it must start (see the module docstring)."""
+        rounds its steps up to one of them, so no graph row is padding."""
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")
         self.bm = block_manager
@@ -81,7 +88,6 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
         self.step_sizes = sorted(step_sizes)
-        self.hold_last_tokens = hold_last_tokens
         self.waiting: deque[Sequence] = deque()
         self._waiting_work = 0  # balanced policy: tokens the waiting sequences will compute (prompt + max_tokens)
         self._unsorted = False  # requests were added since `waiting` was last put in the policy's order
@@ -184,11 +190,13 @@ class Scheduler:
             budget -= n
             prefill_budget = max(prefill_budget - n, 0)
 
-        # one-token sequences first (stable): a backend can hand that prefix of the batch to its decode kernel
-        if len(out.seqs) > 1 and not all(n == 1 for n in out.num_new_tokens):
-            pairs = sorted(zip(out.seqs, out.num_new_tokens), key=lambda p: p[1] != 1)
-            out.seqs = [p[0] for p in pairs]
-            out.num_new_tokens = [p[1] for p in pairs]
+        # decode rows first (stable): a backend can hand that prefix of the batch to its decode kernel
+        decode = [is_decode_row(s, n) for s, n in zip(out.seqs, out.num_new_tokens)]
+        out.num_decode = sum(decode)
+        if 0 < out.num_decode < len(out.seqs):
+            order = sorted(range(len(out.seqs)), key=lambda i: not decode[i])
+            out.seqs = [out.seqs[i] for i in order]
+            out.num_new_tokens = [out.num_new_tokens[i] for i in order]
         return out
 
     def _prefill_target(self) -> tuple[int, int, bool]:
@@ -229,7 +237,7 @@ class Scheduler:
         # run allows: while every unfinished request fits in max_num_seqs and the KV cache can hold all of them at
         # their full length, requests then finish together at the end, and the last steps stay as full as the
         # first. Otherwise its first token is sampled as soon as its prompt is computed.
-        hold = (self.hold_last_tokens and len(self.running) + len(self.waiting) <= self.max_num_seqs
+        hold = (len(self.running) + len(self.waiting) <= self.max_num_seqs
                 and work // self.bm.block_size + len(self.running) + len(self.waiting) <= self.bm.num_free_blocks)
         if not hold:
             decode += last_prompt_token

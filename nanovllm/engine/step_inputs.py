@@ -2,33 +2,57 @@
 
 `Layout` places every per-step array (token ids, positions, slots, block tables, sampling parameters...)
 at a 16-byte aligned offset of a byte buffer; `pack` fills a (pinned) host buffer from a StepBatch; the
-runner copies it to the device in one go and reads typed views of it. A decode CUDA graph is captured
+runner copies it to the device in one go and reads `StepInputs`, typed views of it. A CUDA graph is captured
 over the views of its own fixed layout, so replaying it needs no copy beyond that one.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
 
 from nanovllm.engine.batch import StepBatch
 
-_FIELDS: tuple[tuple[str, torch.dtype], ...] = (
-    ("seeds", torch.int64),
-    ("ids", torch.int32), ("src", torch.int32), ("pos", torch.int32), ("slots", torch.int32),
-    ("cu", torch.int32), ("cu_pre", torch.int32), ("seq_lens", torch.int32), ("dec_lens", torch.int32),
-    ("tables", torch.int32), ("last", torch.int32),
-    ("sample_seqs", torch.int32), ("order", torch.int32),
-    ("steps", torch.int32), ("top_ks", torch.int32), ("banned_rows", torch.int32), ("banned_tokens", torch.int32),
-    ("temps", torch.float32), ("top_ps", torch.float32), ("min_ps", torch.float32),
-)
+
+@dataclass
+class StepInputs:
+    """Views into one step's packed buffer (T token rows, B sequences, W block-table columns, S logits rows,
+    NB banned pairs). Padding rows of a CUDA-graph layout: slot -1, sequence length 0, which every kernel skips."""
+    seeds: torch.Tensor          # (S,) int64 sampling-noise seed of each logits row
+    ids: torch.Tensor            # (T,) int32 token ids (placeholders: 0, see `src`)
+    src: torch.Tensor            # (T,) int32 row of the previous step's sampled ids to read instead, or -1
+    pos: torch.Tensor            # (T,) int32 positions
+    slots: torch.Tensor          # (T,) int32 KV-cache slot of each token, -1 = padding
+    cu: torch.Tensor             # (B + 1,) int32 query offsets
+    cu_pre: torch.Tensor         # (B + 1,) int32 query offsets without the decode rows (mixed steps)
+    seq_lens: torch.Tensor       # (B,) int32 cached tokens per sequence after the step, 0 = padding
+    dec_lens: torch.Tensor       # (B,) int32 the decode rows' lengths, 0 for the others (mixed steps)
+    tables: torch.Tensor         # (B * W,) int32 block tables, row-major
+    logits_indices: torch.Tensor  # (S,) int32 token rows whose logits are computed
+    logits_seqs: torch.Tensor    # (S,) int32 the sequence of each of those rows
+    order: torch.Tensor          # (B,) int32 decode launch order: longest first, then the rest
+    steps: torch.Tensor          # (S,) int32 output position being sampled
+    top_ks: torch.Tensor         # (S,) int32
+    banned_rows: torch.Tensor    # (NB,) int32 with banned_tokens: (row, token) pairs held back (min_tokens)
+    banned_tokens: torch.Tensor  # (NB,) int32
+    temps: torch.Tensor          # (S,) float32
+    top_ps: torch.Tensor         # (S,) float32
+    min_ps: torch.Tensor         # (S,) float32
+
+    def block_tables(self, B: int, W: int) -> torch.Tensor:
+        return self.tables.view(B, W)
+
+
+_DTYPES: dict[str, torch.dtype] = {
+    f.name: (torch.int64 if f.name == "seeds" else torch.float32 if f.name in ("temps", "top_ps", "min_ps")
+             else torch.int32) for f in fields(StepInputs)}
 _NP = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Byte offsets of each array for T tokens, B sequences, W block-table columns, S sampled rows and NB
+    """Byte offsets of each array for T tokens, B sequences, W block-table columns, S logits rows and NB
     banned (row, token) pairs."""
     T: int
     B: int
@@ -41,22 +65,20 @@ class Layout:
     @classmethod
     def make(cls, T: int, B: int, W: int, S: int, NB: int = 0) -> Layout:
         sizes = {"ids": T, "src": T, "pos": T, "slots": T, "cu": B + 1, "cu_pre": B + 1, "seq_lens": B,
-                 "dec_lens": B, "order": B, "tables": B * W,
-                 "last": S, "sample_seqs": S, "steps": S, "top_ks": S, "seeds": S, "temps": S, "top_ps": S,
-                 "min_ps": S, "banned_rows": NB, "banned_tokens": NB}
-        off, fields = 0, {}
-        for name, dtype in _FIELDS:
+                 "dec_lens": B, "order": B, "tables": B * W, "logits_indices": S, "logits_seqs": S, "steps": S,
+                 "top_ks": S, "seeds": S, "temps": S, "top_ps": S, "min_ps": S, "banned_rows": NB,
+                 "banned_tokens": NB}
+        off, placed = 0, {}
+        for name, dtype in _DTYPES.items():
             n = sizes[name]
-            fields[name] = (dtype, off, n)
+            placed[name] = (dtype, off, n)
             off += -(-n * dtype.itemsize // 16) * 16
-        return cls(T, B, W, S, NB, fields, max(off, 16))
+        return cls(T, B, W, S, NB, placed, max(off, 16))
 
-    def views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+    def views(self, buf: torch.Tensor) -> StepInputs:
         """Typed views of a uint8 buffer laid out like this."""
-        out = {}
-        for name, (dtype, off, n) in self.fields.items():
-            out[name] = buf[off:off + n * dtype.itemsize].view(dtype)
-        return out
+        return StepInputs(**{name: buf[off:off + n * dtype.itemsize].view(dtype)
+                             for name, (dtype, off, n) in self.fields.items()})
 
 
 def pack(batch: StepBatch, layout: Layout, host: torch.Tensor) -> None:
@@ -65,10 +87,9 @@ def pack(batch: StepBatch, layout: Layout, host: torch.Tensor) -> None:
     The layout may be larger than the batch (a CUDA-graph size): the extra rows become padding (slot -1,
     sequence length 0) that every kernel skips."""
     raw = host.numpy()
-    arr = {}
-    for name, (dtype, off, n) in layout.fields.items():
-        arr[name] = raw[off:off + n * dtype.itemsize].view(_NP[dtype])
-    T, B, S = batch.num_tokens, batch.num_seqs, len(batch.sampling.temperatures)
+    arr = {name: raw[off:off + n * dtype.itemsize].view(_NP[dtype])
+           for name, (dtype, off, n) in layout.fields.items()}
+    T, B, S = batch.num_tokens, batch.num_seqs, batch.num_logits
     arr["ids"][:T] = batch.input_ids
     src = arr["src"]
     src[:] = -1
@@ -82,12 +103,10 @@ def pack(batch: StepBatch, layout: Layout, host: torch.Tensor) -> None:
         arr["slots"][T:] = -1
     cu = arr["cu"]
     cu[:B + 1] = batch.cu_seqlens_q
-    if layout.B > B:
-        cu[B + 1:] = batch.cu_seqlens_q[-1]
+    cu[B + 1:] = batch.cu_seqlens_q[-1]
     arr["seq_lens"][:B] = batch.seq_lens
-    if layout.B > B:
-        arr["seq_lens"][B:] = 0
-    nd = B if batch.is_decode else batch.num_decode  # the leading one-token sequences
+    arr["seq_lens"][B:] = 0
+    nd = batch.num_decode  # the leading decode rows
     if not batch.is_decode:  # a mixed step's split between the decode and the varlen kernel (AttentionMetadata)
         arr["dec_lens"][:nd] = batch.seq_lens[:nd]
         arr["dec_lens"][nd:] = 0
@@ -104,10 +123,10 @@ def pack(batch: StepBatch, layout: Layout, host: torch.Tensor) -> None:
     tables[:] = 0  # columns past a sequence's last block are never used, but must be valid block ids
     for i, t in enumerate(batch.block_tables):
         tables[i * W:i * W + len(t)] = t
-    cu_q = batch.cu_seqlens_q
-    arr["last"][:len(batch.sample_rows)] = [cu_q[b + 1] - 1 for b in batch.sample_rows]
-    arr["last"][len(batch.sample_rows):] = 0  # a graph's padded rows gather row 0 (valid, unused)
-    arr["sample_seqs"][:len(batch.sample_rows)] = batch.sample_rows
+    arr["logits_indices"][:S] = batch.logits_indices
+    arr["logits_indices"][S:] = 0  # a graph's padded rows gather row 0 (valid, unused)
+    arr["logits_seqs"][:S] = batch.logits_seqs
+    arr["logits_seqs"][S:] = 0
     sb = batch.sampling
     arr["steps"][:S] = sb.steps
     arr["top_ks"][:S] = sb.top_ks
@@ -135,7 +154,7 @@ class Staging:
     def _host(self, n: int) -> torch.Tensor:
         return torch.empty(n, dtype=torch.uint8, pin_memory=self.pinned)
 
-    def upload(self, batch: StepBatch, layout: Layout, dev: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def upload(self, batch: StepBatch, layout: Layout, dev: torch.Tensor | None = None) -> StepInputs:
         """Pack `batch`, copy it to `dev` (default: the eager device buffer) and return device views."""
         self.turn ^= 1
         if self.copied[self.turn] is not None:

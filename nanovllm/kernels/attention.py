@@ -16,8 +16,6 @@ Common design points
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -233,19 +231,15 @@ def _decode_kernel(
     stride_kb, stride_ks, stride_kh, stride_bt,
     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-    HEADS_FIRST: tl.constexpr, USE_ORDER: tl.constexpr, SKIP_EMPTY: tl.constexpr,
+    USE_ORDER: tl.constexpr, SKIP_EMPTY: tl.constexpr,
 ):
     # SPLIT: num_splits > 1 programs per sequence write partial results for _decode_reduce_kernel; the count
-    # itself is a runtime value, so every split count shares one compiled variant
-    # HEADS_FIRST: grid (Hkv, B, splits), so the programs of one sequence's KV heads are launched together
-    if HEADS_FIRST:
-        kvh = tl.program_id(0)
-        b = tl.program_id(1)
-        H = tl.num_programs(0) * G
-    else:
-        b = tl.program_id(0)
-        kvh = tl.program_id(1)
-        H = tl.num_programs(1) * G
+    # itself is a runtime value, so every split count shares one compiled variant.
+    # Grid (Hkv, B, splits): the programs of one sequence's KV heads are launched together (+2-3% bandwidth on an
+    # H200 over (B, Hkv, splits), RESULTS run 14)
+    kvh = tl.program_id(0)
+    b = tl.program_id(1)
+    H = tl.num_programs(0) * G
     if USE_ORDER:
         # the b-th program to launch takes sequence ORDER[b] (longest first: the short ones fill the tail)
         b = tl.load(ORDER + b)
@@ -372,14 +366,7 @@ _PREFILL_BLOCK_B = 128  # sequences looked up per step of the tile -> sequence s
 
 def _prefill_config(D: int, G_PAD: int, max_seqlen_q: int, dtype=torch.bfloat16):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages): heuristics for Hopper (wgmma for BLOCK_M >= 64), checked to
-    compile for sm_90 without register spills in half precision, but not tuned on hardware."""
-    env = os.environ.get("NANOVLLM_PREFILL_ATTN")  # "BLOCK_M,BLOCK_N,WARPS,STAGES" for chunks <= 512 (A/B runs)
-    if env and dtype != torch.float32 and 32 < max_seqlen_q * G_PAD and max_seqlen_q <= 512:
-        f = env.split(",")
-        if len(f) != 4 or not all(x.strip().isdigit() for x in f):
-            raise ValueError(f"NANOVLLM_PREFILL_ATTN must be 'BLOCK_M,BLOCK_N,WARPS,STAGES', got {env!r}")
-        bm, bn, warps, stages = map(int, f)
-        return max(bm, G_PAD), bn, warps, stages
+    compile for sm_90 without register spills in half precision."""
     if dtype == torch.float32:  # exact fp32 dots (FMA, not tensor cores): keep tiles small; a debug path
         bm_max, block_n = 64, 32
     elif D <= 128:
@@ -448,19 +435,12 @@ def _decode_block_n(D: int, dtype=torch.bfloat16) -> int:
     return 64 if D <= 128 and dtype != torch.float32 else 32
 
 
-def _decode_launch(D: int, dtype) -> tuple[int, int, int, bool]:
-    """(BLOCK_N, num_warps, num_stages, heads_first) of the decode kernel. NANOVLLM_DECODE_ATTN=
-    "BLOCK_N,WARPS,STAGES[,HEADS_FIRST]" overrides it (for tuning sweeps: benchmarks/decode_sweep.py)."""
-    env = os.environ.get("NANOVLLM_DECODE_ATTN")
-    if env:
-        f = [int(x) for x in env.split(",")]
-        if len(f) not in (3, 4):
-            raise ValueError(f"NANOVLLM_DECODE_ATTN must be 'BLOCK_N,WARPS,STAGES[,HEADS_FIRST]', got {env!r}")
-        return f[0], f[1], f[2], bool(f[3]) if len(f) == 4 else True
-    # heads first: +2-3% bandwidth on an H200 for every config tried (benchmarks/decode_layout.py, RESULTS run 14)
+def _decode_launch(D: int, dtype) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the decode kernel: the best of a sweep on an H200 for head_dim <= 128
+    in half precision (RESULTS run 7)."""
     if D <= 128 and dtype != torch.float32:
-        return 128, 4, 3, True  # best of a sweep on an H200 (benchmarks/decode_sweep.py, benchmarks/RESULTS.md)
-    return _decode_block_n(D, dtype), 4, 2, True
+        return 128, 4, 3
+    return _decode_block_n(D, dtype), 4, 2
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
@@ -524,12 +504,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"{fn}: num_splits must be >= 1, got {num_splits}")
     G = H // Hkv
     BLOCK_G = max(16, next_pow2(G))  # tl.dot needs M >= 16; padded rows are masked
-    BLOCK_N, warps, stages, heads_first = _decode_launch(D, q.dtype)
+    BLOCK_N, warps, stages = _decode_launch(D, q.dtype)
     prec = dot_precision(q.dtype)
     common = dict(G=G, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, HEAD_DIM=D, BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
-                  PREC=prec, UPCAST=upcast_dots(q.dtype), HEADS_FIRST=heads_first, USE_ORDER=order is not None,
+                  PREC=prec, UPCAST=upcast_dots(q.dtype), USE_ORDER=order is not None,
                   SKIP_EMPTY=bool(skip_empty), num_warps=warps, num_stages=stages)
-    grid = (Hkv, B, num_splits) if heads_first else (B, Hkv, num_splits)
+    grid = (Hkv, B, num_splits)
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
     qk_scale = float(scale) * _LOG2E

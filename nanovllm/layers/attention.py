@@ -8,13 +8,13 @@ from nanovllm.attention.backend import AttentionBackend, AttentionMetadata
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float):
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, backend: AttentionBackend):
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads, self.scale = num_heads, head_dim, num_kv_heads, scale
-        # set by the model runner once the cache is allocated
+        self.backend = backend
+        # views of the runner's KV cache, bound once it is allocated (engine/kv_cache.py)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
-        self.backend: AttentionBackend | None = None
 
     def store(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         """Write this step's keys and values ((T, Hkv, D) or (T, Hkv * D)) into the cache."""

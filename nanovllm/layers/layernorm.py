@@ -1,8 +1,13 @@
 """RMSNorm, optionally fused with the residual add that precedes it (as in every Llama-style block)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from nanovllm.layers.ops import Ops
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -20,17 +25,16 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, ops: Ops | None = None):
+        """ops: the kernels to run (None: the torch references)."""
         super().__init__()
+        from nanovllm.layers.ops import TORCH_OPS
         self.eps = eps
+        self.ops = ops or TORCH_OPS
         self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.fused = None  # set by the model runner to a Triton kernel on CUDA
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """rms_norm(x); with a residual, (rms_norm(x + residual), x + residual)."""
         if residual is None:
-            if self.fused is not None:
-                return self.fused.rms_norm(x, self.weight, self.eps)
-            return rms_norm_ref(x, self.weight, self.eps)
-        if self.fused is not None:
-            return self.fused.add_rms_norm(x, residual, self.weight, self.eps)
-        return add_rms_norm_ref(x, residual, self.weight, self.eps)
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)

@@ -1,10 +1,14 @@
-"""Linear layers that know how to shard themselves over a tensor-parallel group.
+"""Linear layers that shard themselves over a tensor-parallel group, each running its GEMM through a method.
 
-Each parameter carries a `weight_loader(param, checkpoint_tensor, shard_id=None)` that copies this
-rank's slice of a checkpoint tensor into place, so loading fused or sharded weights is one call per
-checkpoint tensor. With a group of size 1 every layer is a plain linear.
+The layer owns the sharding: each parameter carries a `weight_loader(param, checkpoint_tensor, shard_id=None)`
+that copies this rank's slice of a checkpoint tensor into place, so loading fused or sharded weights is one call
+per checkpoint tensor. The layer's `LinearMethod` (chosen when the model is built, from its quantization) owns
+how the weight is stored and multiplied: `UnquantizedLinearMethod` today. With a group of size 1 every layer is
+a plain linear.
 """
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -19,37 +23,77 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
+class LinearMethod(Protocol):
+    """How a linear layer stores its weight and computes ``x @ W.T (+ bias)``."""
+
+    def create_weights(self, layer: LinearBase, in_features: int, out_features: int) -> None:
+        """Register the layer's parameters (at least ``weight``, with the layer's ``weight_loader``)."""
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        """Called once the checkpoint (or random weights) is in place: repack or quantize."""
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W.T (+ bias)`` for x (N, in_features) -> (N, out_features), into ``out`` when given."""
+
+
+class GemmPlan:
+    """Per weight shape and row count, a faster GEMM than torch's default (filled at startup on CUDA by
+    ``nanovllm.engine.gemm_plan.plan_gemms`` for the CUDA-graph batch sizes; empty elsewhere)."""
+
+    def __init__(self):
+        self.choices: dict[tuple[int, int], dict[int, object]] = {}  # (N, K) -> {rows: backend (x, w, out)}
+
+    def lookup(self, weight: torch.Tensor, rows: int):
+        by_rows = self.choices.get(tuple(weight.shape))
+        return None if by_rows is None else by_rows.get(rows)
+
+
+class UnquantizedLinearMethod:
+    """Weights in the model's dtype; torch's GEMM, or the plan's choice for a planned row count."""
+
+    def __init__(self, plan: GemmPlan | None = None):
+        self.plan = plan if plan is not None else GemmPlan()
+
+    def create_weights(self, layer, in_features, out_features):
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        layer.weight.weight_loader = layer.weight_loader
+
+    def process_weights_after_loading(self, layer):
+        pass
+
+    def apply(self, layer, x, bias, out=None):
+        w = layer.weight
+        gemm = self.plan.lookup(w, x.shape[0]) if self.plan.choices and x.dim() == 2 and bias is None else None
+        if gemm is not None:
+            return gemm(x, w, out)
+        if out is None:
+            return F.linear(x, w, bias)
+        if bias is None:
+            return torch.mm(x, w.t(), out=out)
+        return torch.addmm(bias, x, w.t(), out=out)
+
+
 class LinearBase(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup,
+                 method: LinearMethod | None = None):
+        """method: None is UnquantizedLinearMethod()."""
         super().__init__()
         self.tp = tp
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.in_features, self.out_features = in_features, out_features
+        self.method = method = method if method is not None else UnquantizedLinearMethod()
+        method.create_weights(self, in_features, out_features)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-        # rows -> GEMM backend (a callable (x, w, out) -> x @ w.T) for the products whose row count it names;
-        # set at startup by nanovllm.engine.gemm_plan for the CUDA-graph batch sizes, empty otherwise
-        self.gemm_plan: dict = {}
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         _copy(param.data, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._product(x, self.bias)
-
-    def _product(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ W.T (+ bias), into ``out`` when given: by the planned backend for this row count, else torch."""
-        gemm = self.gemm_plan.get(x.shape[0]) if self.gemm_plan and x.dim() == 2 and bias is None else None
-        if gemm is not None:
-            return gemm(x, self.weight, out)
-        if out is None:
-            return F.linear(x, self.weight, bias)
-        if bias is None:
-            return torch.mm(x, self.weight.t(), out=out)
-        return torch.addmm(bias, x, self.weight.t(), out=out)
+        return self.method.apply(self, x, self.bias)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -58,15 +102,12 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
 
-class ReplicatedLinear(LinearBase):
-    pass
-
-
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; no communication."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup):
-        super().__init__(in_features, _divide(out_features, tp.size, "output features"), bias, tp)
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup,
+                 method: LinearMethod | None = None):
+        super().__init__(in_features, _divide(out_features, tp.size, "output features"), bias, tp, method)
 
     def weight_loader(self, param, loaded, shard_id=None):
         n = param.shape[0]
@@ -76,11 +117,12 @@ class ColumnParallelLinear(LinearBase):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs stored side by side (gate and up projections)."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TPGroup):
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TPGroup,
+                 method: LinearMethod | None = None):
         self.output_sizes = list(output_sizes)
         for i, n in enumerate(self.output_sizes):  # each part is split on its own
             _divide(n, tp.size, f"output features of part {i}")
-        super().__init__(in_features, sum(output_sizes), bias, tp)
+        super().__init__(in_features, sum(output_sizes), bias, tp, method)
 
     def weight_loader(self, param, loaded, shard_id=None):
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
@@ -95,7 +137,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     when there are fewer of them than ranks (each rank keeps the one its query heads use)."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
-                 tp: TPGroup):
+                 tp: TPGroup, method: LinearMethod | None = None):
         self.head_dim = head_dim
         self.num_heads = _divide(num_heads, tp.size, "num_attention_heads")
         if num_kv_heads >= tp.size:
@@ -108,7 +150,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_heads = 1
             self.kv_start = tp.rank * num_kv_heads // tp.size
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
-        LinearBase.__init__(self, hidden_size, out, bias, tp)
+        LinearBase.__init__(self, hidden_size, out, bias, tp, method)
 
     def weight_loader(self, param, loaded, shard_id=None):
         d = self.head_dim
@@ -126,8 +168,9 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial outputs summed with an all-reduce."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup):
-        super().__init__(_divide(in_features, tp.size, "input features"), out_features, bias, tp)
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup,
+                 method: LinearMethod | None = None):
+        super().__init__(_divide(in_features, tp.size, "input features"), out_features, bias, tp, method)
 
     def weight_loader(self, param, loaded, shard_id=None):
         if param.dim() == 1:  # bias: whole, added once after the reduce
@@ -140,6 +183,6 @@ class RowParallelLinear(LinearBase):
         """The summed output; with reduce=False this rank's partial sum, for ``TPGroup.all_reduce_add_norm``."""
         bias = self.bias if self.tp.rank == 0 else None
         # the partial product goes straight into the reducer's buffer when there is one (no copy to reduce it)
-        buf = self.tp.reduce_buffer((x.shape[0], self.weight.shape[0]), x.dtype) if x.dim() == 2 else None
-        y = self._product(x, bias, buf)
+        buf = self.tp.reduce_buffer((x.shape[0], self.out_features), x.dtype) if x.dim() == 2 else None
+        y = self.method.apply(self, x, bias, buf)
         return self.tp.all_reduce(y) if reduce else y

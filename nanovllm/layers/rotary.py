@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from nanovllm.layers.ops import Ops
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -44,14 +48,15 @@ def apply_rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None):
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None,
+                 ops: Ops | None = None):
+        """ops: the kernels to run (None: the torch references)."""
         super().__init__()
+        from nanovllm.layers.ops import TORCH_OPS
+        self.ops = ops or TORCH_OPS
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]  # (P, D/2)
         self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
-        self.fused = None  # set by the model runner to a Triton kernel on CUDA
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        if self.fused is not None:
-            return self.fused.apply_rotary(q, k, positions, self.cos_sin_cache)
-        return apply_rotary_ref(q, k, positions, self.cos_sin_cache)
+        return self.ops.apply_rotary(q, k, positions, self.cos_sin_cache)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from nanovllm.distributed.group import TPGroup
+from nanovllm.layers.ops import TORCH_OPS, Ops
 
 
 def _i64(x: int) -> int:
@@ -64,7 +65,6 @@ class SamplingTensors:
     banned_rows: torch.Tensor | None   # (n,) with banned_tokens: logits forced to -inf (min_tokens)
     banned_tokens: torch.Tensor | None
     all_greedy: bool
-    any_greedy: bool
     need_top_k: bool
     need_top_p: bool
     need_min_p: bool
@@ -155,11 +155,11 @@ def _ban_in_shard(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor
 
 
 class Sampler(nn.Module):
-    def __init__(self, fused_sample=None, vocab_shard: VocabShard | None = None, fused_partial=None):
+    def __init__(self, ops: Ops = TORCH_OPS, vocab_shard: VocabShard | None = None):
         super().__init__()
-        self.fused_sample = fused_sample    # Triton kernel (CUDA): same as sample_ref without filters
-        self.fused_partial = fused_partial  # Triton kernel (CUDA): same as sample_partial_ref
-        self.vocab_shard = vocab_shard      # set under tensor parallelism: forward gets this rank's logits slice
+        self.fused_sample = ops.sample             # Triton kernel (CUDA): same as sample_ref without filters
+        self.fused_partial = ops.sample_partial    # Triton kernel (CUDA): same as sample_partial_ref
+        self.vocab_shard = vocab_shard  # set under tensor parallelism: forward gets this rank's logits slice
 
     @staticmethod
     def needs_full_vocab(t: SamplingTensors) -> bool:

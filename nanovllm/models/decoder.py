@@ -2,7 +2,8 @@
 
 The three differ only in small switches: Qwen2 has q/k/v biases (and no o_proj bias), Qwen3 normalizes
 each query and key head (q_norm / k_norm) before RoPE, Llama 3 scales RoPE frequencies. Every layer is
-built for a tensor-parallel group (size 1 = no sharding).
+built from one `LayerContext`: its tensor-parallel group (size 1 = no sharding), its kernels, the attention
+backend and the linear method. `make_mlp` is where a layer's feed-forward block is chosen (dense today).
 """
 from __future__ import annotations
 
@@ -13,9 +14,8 @@ from torch import nn
 
 from nanovllm.attention.backend import AttentionMetadata, OutputRows
 from nanovllm.config import ModelConfig
-from nanovllm.distributed.group import TPGroup
-from nanovllm.layers.activation import silu_and_mul_ref
 from nanovllm.layers.attention import Attention
+from nanovllm.layers.context import LayerContext
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -30,25 +30,27 @@ class DecoderVariant:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, variant: DecoderVariant, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, variant: DecoderVariant, ctx: LayerContext):
         super().__init__()
         d = cfg.head_dim
         qkv_bias = cfg.attention_bias if variant.qkv_bias is None else variant.qkv_bias
         o_bias = cfg.attention_bias if variant.o_bias is None else variant.o_bias
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_heads, cfg.num_kv_heads, qkv_bias, tp)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_heads, cfg.num_kv_heads, qkv_bias, ctx.tp,
+                                          ctx.linear_method)
         self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
-        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, o_bias, tp)
-        self.rotary_emb = RotaryEmbedding(d, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.attn = Attention(self.num_heads, d, self.num_kv_heads, d ** -0.5)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, o_bias, ctx.tp, ctx.linear_method)
+        self.rotary_emb = RotaryEmbedding(d, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, ctx.ops)
+        self.attn = Attention(self.num_heads, d, self.num_kv_heads, d ** -0.5, ctx.attention)
         if variant.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, ctx.ops)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, ctx.ops)
         else:
             self.q_norm = self.k_norm = None
-        # set by the model runner (see install_fused_qkv): fused QK-norm + RoPE + KV store with the signature of
-        # nanovllm.kernels.qkv_norm_rope_store; None = the unfused path below
-        self.fused_qkv = None
+        # QK-norm + RoPE + KV store in one kernel (Triton), or None: the three one after the other
+        self.fused_qkv = ctx.ops.qkv_norm_rope_store
+        if self.fused_qkv is not None and self.q_norm is not None and self.q_norm.eps != self.k_norm.eps:
+            raise ValueError("the fused qkv kernel needs q_norm and k_norm to share one eps")
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
                 reduce: bool = True, out_rows: OutputRows | None = None) -> torch.Tensor:
@@ -75,40 +77,38 @@ class DecoderAttention(nn.Module):
         return self.o_proj(self.attn.attend(q, meta), reduce)                   # (T | S, hidden)
 
 
-def install_fused_qkv(model: nn.Module, op) -> int:
-    """Set ``op`` (e.g. ``TritonOps().qkv_norm_rope_store``, or None to restore the unfused path) as the fused
-    QK-norm + RoPE + KV-store op of every DecoderAttention in ``model``; returns how many were set."""
-    n = 0
-    for m in model.modules():
-        if isinstance(m, DecoderAttention):
-            if op is not None and m.q_norm is not None and m.q_norm.eps != m.k_norm.eps:
-                raise ValueError("fused qkv op: q_norm and k_norm must share one eps")
-            m.fused_qkv = op
-            n += 1
-    return n
-
-
 class DecoderMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+    """The dense SwiGLU feed-forward block."""
+
+    def __init__(self, cfg: ModelConfig, ctx: LayerContext):
         super().__init__()
         if cfg.hidden_act != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only 'silu')")
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, cfg.mlp_bias, tp)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp)
-        self.act = silu_and_mul_ref  # the runner may swap in a fused kernel
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, cfg.mlp_bias,
+                                                       ctx.tp, ctx.linear_method)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, ctx.tp,
+                                           ctx.linear_method)
+        self.act = ctx.ops.silu_and_mul
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)), reduce)
 
 
+def make_mlp(cfg: ModelConfig, layer_idx: int, ctx: LayerContext) -> nn.Module:
+    """Layer `layer_idx`'s feed-forward block: a module with ``forward(x, reduce) -> (T, hidden)`` partial sums
+    (``reduce=False``: this rank's, for ``TPGroup.all_reduce_add_norm``). Every layer is dense today; a
+    mixture-of-experts block would be picked here from the config (per-layer sparsity)."""
+    return DecoderMLP(cfg, ctx)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, variant: DecoderVariant, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, variant: DecoderVariant, layer_idx: int, ctx: LayerContext):
         super().__init__()
-        self.tp = tp
-        self.self_attn = DecoderAttention(cfg, variant, tp)
-        self.mlp = DecoderMLP(cfg, tp)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.tp = ctx.tp
+        self.self_attn = DecoderAttention(cfg, variant, ctx)
+        self.mlp = make_mlp(cfg, layer_idx, ctx)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.ops)
 
     def forward(self, positions, hidden, residual, meta, out_rows: OutputRows | None = None):
         """hidden: the embeddings (residual None, first layer) or the previous layer's output as this rank's
@@ -127,12 +127,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, variant: DecoderVariant, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, variant: DecoderVariant, ctx: LayerContext):
         super().__init__()
-        self.tp = tp
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, variant, tp) for _ in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.tp = ctx.tp
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.tp)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, variant, i, ctx) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.ops)
 
     def forward(self, input_ids, positions, meta, out_rows: OutputRows | None = None):
         """The final hidden states (T, hidden); with out_rows (S rows), those rows only: the last layer then
@@ -152,11 +152,11 @@ class DecoderForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, variant: DecoderVariant, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, variant: DecoderVariant, ctx: LayerContext):
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, variant, tp)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        self.model = DecoderModel(cfg, variant, ctx)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx.tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

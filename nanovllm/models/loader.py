@@ -81,3 +81,11 @@ def init_dummy(model: nn.Module, seed: int) -> None:
             p.zero_()
         else:
             p.normal_(0.0, 0.02, generator=gen)
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Let each linear layer's method repack or quantize the weights now in place (after either loader)."""
+    from nanovllm.layers.linear import LinearBase
+    for m in model.modules():
+        if isinstance(m, LinearBase):
+            m.method.process_weights_after_loading(m)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from nanovllm.config import ModelConfig
-from nanovllm.distributed.group import TPGroup
+from nanovllm.layers.context import LayerContext
 from nanovllm.layers.rotary import rope_inv_freq
 from nanovllm.models.decoder import DecoderForCausalLM, DecoderVariant
 
@@ -28,6 +28,6 @@ def check_supported(cfg: ModelConfig) -> None:
         raise ValueError("sliding-window attention is not supported")
 
 
-def build_model(cfg: ModelConfig, tp: TPGroup) -> DecoderForCausalLM:
+def build_model(cfg: ModelConfig, ctx: LayerContext) -> DecoderForCausalLM:
     check_supported(cfg)
-    return DecoderForCausalLM(cfg, MODEL_REGISTRY[cfg.architecture], tp)
+    return DecoderForCausalLM(cfg, MODEL_REGISTRY[cfg.architecture], ctx)

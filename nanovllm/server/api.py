@@ -525,7 +525,7 @@ def build_app(engine, served_model_name: str | list[str] | None = None, api_key:
     async def health():
         if not aeng.is_running:
             return _error_response(APIError(503, "the engine loop is not running", code="engine_unavailable"))
-        if getattr(aeng.engine.runner, "is_alive", True) is False:      # e.g. a tensor-parallel worker died
+        if not aeng.engine.runner.is_alive:      # e.g. a tensor-parallel worker died
             return _error_response(APIError(503, "the model executor has failed", code="engine_unavailable"))
         return Response(status_code=200)
 

@@ -21,8 +21,7 @@ def sample(batch, prev_sampled: list[int]) -> list[int]:
     ids = list(batch.input_ids)
     for pos, row in zip(batch.placeholder_pos, batch.placeholder_rows, strict=True):
         ids[pos] = prev_sampled[row]
-    cu = batch.cu_seqlens_q
-    return [(ids[cu[b + 1] - 1] * 7 + batch.positions[cu[b + 1] - 1]) % 1000 for b in batch.sample_rows]
+    return [(ids[r] * 7 + batch.positions[r]) % 1000 for r in batch.logits_indices]
 
 
 class _FakeEvent:
@@ -58,7 +57,7 @@ class FakeRunner:
         self.device_free_at = 0.0
         self.steps = 0
 
-    def launch(self, batch, prev=None):
+    def launch(self, batch):
         if self.fails and batch.input_ids[:1] == [FAIL_TOKEN]:
             raise ValueError(f"fake failure at step {self.steps}")
         self.steps += 1

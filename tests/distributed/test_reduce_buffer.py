@@ -6,6 +6,8 @@ partial (with the bias, rank 0 only) into the reducer's buffer, that the result 
 the two buffers alternate, and that whatever doesn't fit falls back to ``all_reduce``."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,6 +16,7 @@ from nanovllm.distributed.group import TPGroup
 from nanovllm.distributed.symm_allreduce import SymmMemAllReduce
 from nanovllm.layers.layernorm import RMSNorm, add_rms_norm_ref
 from nanovllm.layers.linear import RowParallelLinear
+from nanovllm.layers.ops import TORCH_OPS
 
 
 class FakeHandle:
@@ -120,14 +123,11 @@ def test_single_rank_and_no_reducer_have_no_reduce_buffer():
     assert TPGroup().all_reduce(x) is x
 
 
-def test_maybe_create_is_off_on_cpu_and_when_disabled(monkeypatch):
-    args = (None, 0, 2, 1024, torch.float32)
-    assert SymmMemAllReduce.maybe_create(*args, torch.device("cpu")) is None
-    monkeypatch.setenv("NANOVLLM_ALLREDUCE", "nccl")
-    assert SymmMemAllReduce.maybe_create(*args, torch.device("cuda")) is None
-    monkeypatch.setenv("NANOVLLM_ALLREDUCE", "symm")
-    with pytest.raises(ValueError, match=r"NANOVLLM_ALLREDUCE must be one of .*'twoshot'.*, got 'symm'"):
-        SymmMemAllReduce.maybe_create(*args, torch.device("cuda"))
+def test_maybe_create_is_off_on_cpu_and_for_other_dtypes():
+    args = (None, 0, 2, 1024)
+    assert SymmMemAllReduce.maybe_create(*args, torch.float32, torch.device("cpu")) is None
+    assert SymmMemAllReduce.maybe_create(*args, torch.float16, torch.device("cuda")) is None
+    assert SymmMemAllReduce.maybe_create(None, 0, 1, 1024, torch.float32, torch.device("cuda")) is None
 
 
 def test_all_reduce_copies_into_the_buffer_when_it_fits():
@@ -141,22 +141,14 @@ def test_all_reduce_copies_into_the_buffer_when_it_fits():
     assert y.data_ptr() == reducer.bufs[0].data_ptr() and len(reducer.reduced) == 1
 
 
-class RefOps:
-    """Stands in for TritonOps' norm: the reference."""
-
-    @staticmethod
-    def add_rms_norm(x, residual, weight, eps):
-        return add_rms_norm_ref(x, residual, weight, eps)
-
-
 class StubNorm(RMSNorm):
-    """An RMSNorm marked as running on the Triton kernels (``fused`` set), which is when TP may fuse."""
+    """An RMSNorm built with ops marked as the Triton kernels (``ops.fused``, which is when TP may fuse) that run
+    the torch references."""
 
     def __init__(self, n, fused=True):
-        super().__init__(n, eps=1e-5)
+        super().__init__(n, 1e-5, dataclasses.replace(TORCH_OPS, name="triton") if fused else TORCH_OPS)
         with torch.no_grad():
             self.weight.copy_(torch.randn(n, generator=torch.Generator().manual_seed(7)))
-        self.fused = RefOps() if fused else None
 
 
 @pytest.fixture

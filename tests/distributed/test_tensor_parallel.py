@@ -218,7 +218,7 @@ def test_worker_exception_carries_traceback(tiny_ckpt):
         # a block table entry far outside the cache: every rank fails inside the forward
         bad = StepBatch(input_ids=[1, 2], positions=[0, 1], slot_mapping=[10 ** 9, 10 ** 9 + 1],
                         cu_seqlens_q=[0, 2], seq_lens=[2], block_tables=[[10 ** 7]], max_seqlen_q=2,
-                        is_decode=False, sample_rows=[], sampling=SamplingBatch())
+                        logits_indices=[], logits_seqs=[], sampling=SamplingBatch())
         t0 = time.monotonic()
         with pytest.raises(RuntimeError) as info:
             runner.execute(bad)

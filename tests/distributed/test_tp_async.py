@@ -191,12 +191,13 @@ def test_async_scheduling_auto_rule(tp, tiny_ckpt, monkeypatch):
 # --- protocol level (model-free workers) ---------------------------------------------------------
 def _decode(ids: list[int], pos: int, placeholders: bool = False, sample_rows=None) -> StepBatch:
     """A decode step of len(ids) sequences; with `placeholders`, row b's input is the previous step's
-    sampled id of row b."""
+    sampled id of row b. `sample_rows`: the sequences that sample (default: all)."""
     n = len(ids)
     rows = list(range(n)) if sample_rows is None else sample_rows
     return StepBatch(input_ids=list(ids), positions=[pos] * n, slot_mapping=list(range(n)),
                      cu_seqlens_q=list(range(n + 1)), seq_lens=[pos + 1] * n, block_tables=[[b] for b in range(n)],
-                     max_seqlen_q=1, is_decode=True, sample_rows=rows,
+                     max_seqlen_q=1, logits_indices=list(rows), logits_seqs=list(rows),
+                     num_decode=n if sample_rows is None else 0,
                      sampling=SamplingBatch(temperatures=[0.0] * len(rows), top_ks=[0] * len(rows),
                                             top_ps=[1.0] * len(rows), min_ps=[0.0] * len(rows),
                                             seeds=list(rows), steps=[0] * len(rows), logprobs=[None] * len(rows)),
@@ -229,7 +230,7 @@ def test_protocol_pipelined_results_in_order(fake_executor):
     expected.append(sample(_decode(ids, 3), []))
     for pos in range(4, 10):  # the engine's pattern: launch N+1 (placeholders from N), then read N
         batch = _decode([0, 0, 0], pos, placeholders=True)
-        nxt = ex.launch(batch, h)
+        nxt = ex.launch(batch)
         expected.append(sample(batch, expected[-1]))
         handles.append(h)
         assert h.result().token_ids == expected[-2]
@@ -241,12 +242,12 @@ def test_protocol_pipelined_results_in_order(fake_executor):
     # sync use right after launch, then a step with placeholders reading it
     a = ex.launch(_decode([7, 8], 0))
     assert a.result().token_ids == sample(_decode([7, 8], 0), [])
-    b = ex.launch(_decode([0, 0], 1, placeholders=True), a)
+    b = ex.launch(_decode([0, 0], 1, placeholders=True))
     assert b.result().token_ids == sample(_decode([0, 0], 1, placeholders=True), a.result().token_ids)
 
 
 def test_protocol_out_of_order_reads_empty_steps_execute_and_dropped_handles(fake_executor):
-    from nanovllm.engine.model_runner import StepResult
+    from nanovllm.engine.executor import StepResult
     ex = fake_executor
     h0 = ex.launch(_decode([1, 2], 0))
     h1 = ex.launch(_decode([3], 0, sample_rows=[]))  # a prefill chunk that samples nothing
@@ -263,9 +264,6 @@ def test_protocol_out_of_order_reads_empty_steps_execute_and_dropped_handles(fak
     h5 = ex.launch(_decode([9], 0))
     assert h5.result().token_ids == sample(_decode([9], 0), [])
     assert len(ex._handles) == 0
-    # placeholders must read the latest launched step
-    with pytest.raises(ValueError, match="placeholder"):
-        ex.launch(_decode([0], 1, placeholders=True), h3)
     assert ex.execute(_decode([1], 0)).token_ids == sample(_decode([1], 0), [])
     assert ex.is_alive
 
@@ -276,7 +274,7 @@ def test_protocol_random_interleavings(fake_executor):
     ex = fake_executor
     rng = random.Random(1)
     outstanding: list = []          # (handle, expected token ids)
-    last, last_sampled = None, []   # the latest launched handle; the latest non-empty sampled ids
+    last_sampled: list[int] = []    # the latest non-empty sampled ids
     for _ in range(300):
         op = rng.random()
         if op < 0.45:
@@ -284,18 +282,15 @@ def test_protocol_random_interleavings(fake_executor):
             ph = bool(last_sampled) and n <= len(last_sampled) and rng.random() < 0.6
             rows = sorted(rng.sample(range(n), rng.randint(0, n)))
             batch = _decode([rng.randrange(500) for _ in range(n)], rng.randrange(50), ph, rows)
-            if ph and last is None:  # last step was an execute(): pass no handle, like a sync engine
-                h = ex.launch(batch)
-            else:
-                h = ex.launch(batch, last if ph else rng.choice([None, last]))
+            h = ex.launch(batch)
             want = sample(batch, last_sampled)
             outstanding.append((h, want))
-            last, last_sampled = h, want or last_sampled
+            last_sampled = want or last_sampled
         elif op < 0.55:
             batch = _decode([rng.randrange(500)], rng.randrange(50))
             want = sample(batch, last_sampled)
             assert ex.execute(batch).token_ids == want
-            last, last_sampled = None, want
+            last_sampled = want
         elif op < 0.9 and outstanding:
             h, want = outstanding.pop(rng.randrange(len(outstanding)))
             assert h.result().token_ids == want, h
@@ -314,7 +309,7 @@ def test_protocol_rank_raising_mid_pipeline(fake_executor):
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"rank 1 .*raised ValueError: fake failure at step"):
         for pos in range(1, 10):
-            nxt = ex.launch(_decode([FAIL_TOKEN] if pos == 3 else [0], pos, placeholders=pos != 3), h)
+            nxt = ex.launch(_decode([FAIL_TOKEN] if pos == 3 else [0], pos, placeholders=pos != 3))
             h.result()
             h = nxt
     assert time.monotonic() - t0 < 15  # "within seconds", with room for a loaded 2-core CI machine

@@ -81,7 +81,7 @@ def check(dt: str) -> None:
             build(attention._decode_kernel, {**ptrs, "PART_O": "*fp32", "PART_LSE": "*fp32", "SEQ_LENS": "*i32",
                                              "ORDER": "*i32", "BT": "*i32", "qk_scale": "fp32"},
                   dict(G=G, BLOCK_G=max(16, g_pad), BLOCK_N=attention._decode_block_n(D, dtype), HEAD_DIM=D,
-                       BLOCK_SIZE=bs, SPLIT=splits > 1, PREC=prec, UPCAST=False, HEADS_FIRST=splits == 1,
+                       BLOCK_SIZE=bs, SPLIT=splits > 1, PREC=prec, UPCAST=False,
                        USE_ORDER=splits == 1, SKIP_EMPTY=splits == 8),
                   num_warps=4, num_stages=2)
         build(attention._decode_reduce_kernel, {"PART_O": "*fp32", "PART_LSE": "*fp32", "Out": f"*{dt}"},

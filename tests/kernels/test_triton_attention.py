@@ -244,17 +244,6 @@ def test_decode_split_counts_share_one_variant(device, monkeypatch):
     # (the reduce kernel's width is padded to 32 up to 32 splits: 40 needs the next power of two)
 
 
-@pytest.mark.parametrize("heads_first", [0, 1])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_grid_orders(device, monkeypatch, heads_first, num_splits):
-    # both program orders (sequence-major and heads-first) index the same (sequence, KV head) pairs
-    monkeypatch.setenv("NANOVLLM_DECODE_ATTN", f"32,4,2,{heads_first}")
-    batch = make_batch(DECODE, 6, 3, 32, 16, torch.float32, device, seed=11 + heads_first)
-    out = paged_decode_attention(batch["q"], batch["k_cache"], batch["v_cache"], batch["seq_lens"],
-                                 batch["block_tables"], 0.3, num_splits=num_splits)
-    torch.testing.assert_close(out, reference(batch, 0.3), **TOL[torch.float32])
-
-
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_launch_order(device, num_splits):
     # a launch order (longest first, as the engine passes it) changes which program takes which sequence,
@@ -271,29 +260,6 @@ def test_decode_launch_order(device, num_splits):
         paged_decode_attention(*args, order=order[:-1].to(batch["q"].device))
     with pytest.raises(ValueError, match="order"):
         paged_decode_attention(*args, order=order.float().to(batch["q"].device))
-
-
-def test_decode_launch_override_checked(device, monkeypatch):
-    monkeypatch.setenv("NANOVLLM_DECODE_ATTN", "32,4")
-    batch = make_batch(DECODE, 2, 1, 16, 16, torch.float32, device)
-    with pytest.raises(ValueError, match="NANOVLLM_DECODE_ATTN"):
-        paged_decode_attention(batch["q"], batch["k_cache"], batch["v_cache"], batch["seq_lens"],
-                               batch["block_tables"], 0.3)
-
-
-def test_prefill_tile_override(monkeypatch):
-    """NANOVLLM_PREFILL_ATTN (A/B runs) sets the tiles of half-precision launches for chunks of up to 512 tokens
-    only; a malformed value is a ValueError naming it."""
-    from nanovllm.kernels.attention import _prefill_config
-    cases = [(256, torch.bfloat16), (4096, torch.bfloat16), (256, torch.float32)]
-    default = [_prefill_config(128, 4, q, dt) for q, dt in cases]
-    monkeypatch.setenv("NANOVLLM_PREFILL_ATTN", "32,128,4,2")
-    assert [_prefill_config(128, 4, q, dt) for q, dt in cases] == [(32, 128, 4, 2), default[1], default[2]]
-    assert default[0] != (32, 128, 4, 2)
-    for bad in ("32,128", "32,128,4,x"):
-        monkeypatch.setenv("NANOVLLM_PREFILL_ATTN", bad)
-        with pytest.raises(ValueError, match="NANOVLLM_PREFILL_ATTN"):
-            _prefill_config(128, 4, 256, torch.bfloat16)
 
 
 def test_decode_many_splits_and_workspace(device):

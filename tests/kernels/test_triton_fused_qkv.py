@@ -8,7 +8,6 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.kernels.fused_qkv import qkv_norm_rope_store
 from nanovllm.layers.fused_qkv_ref import qkv_norm_rope_store_ref
 from nanovllm.layers.rotary import RotaryEmbedding
-from nanovllm.models.decoder import install_fused_qkv
 from tests.conftest import make_prompts
 
 # A few ulps: the kernel rounds at every op like the reference (bf16 is bit-exact when fp32 -> bf16 casts round
@@ -183,14 +182,20 @@ def torch_tokens(tiny_ckpt):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
                     reason="a device=\"cpu\" engine can run Triton kernels only under TRITON_INTERPRET=1")
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_engine_fused_triton(arch, tiny_ckpt, torch_tokens):
-    """The triton attention backend with the fused kernel installed the way ModelRunner._install_fused_ops
-    does it (prefill and decode steps, through backend.attend) gives the torch engine's greedy tokens."""
+def test_engine_fused_triton(arch, tiny_ckpt, torch_tokens, monkeypatch):
+    """The triton attention backend builds every attention layer with the fused kernel (prefill and decode steps,
+    then backend.attend) and gives the torch engine's greedy tokens."""
     from nanovllm import kernels
+    calls = []
+    op = kernels.qkv_norm_rope_store
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return op(*args, **kwargs)
+    monkeypatch.setattr(kernels, "qkv_norm_rope_store", counting)  # (picked up when the model is built)
     llm = LLM(tiny_ckpt(arch), device="cpu", dtype="float32", attention_backend="triton", kvcache_block_size=16)
     model = llm.engine.runner.model
-    op, calls = _counting(kernels.TritonOps().qkv_norm_rope_store)
-    assert install_fused_qkv(model, op) == model.config.num_layers
+    calls.clear()  # (the warm-up steps)
     toks = [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert toks == torch_tokens(arch)
     # one prefill step (all prompts' tokens) and decode steps (one token per sequence), every layer
@@ -200,8 +205,26 @@ def test_engine_fused_triton(arch, tiny_ckpt, torch_tokens):
 
 def test_engine_fused_reference_path(tiny_ckpt, torch_tokens):
     """The same integration path with the torch reference op and the torch backend's attend (no interpreter)."""
-    llm = LLM(tiny_ckpt("qwen3"), device="cpu", dtype="float32", kvcache_block_size=16)
+    import dataclasses
+
+    from nanovllm.attention.backend import TorchAttentionBackend
+    from nanovllm.config import ModelConfig
+    from nanovllm.engine.kv_cache import bind, cache_shape
+    from nanovllm.layers.attention import Attention
+    from nanovllm.layers.context import LayerContext
+    from nanovllm.layers.ops import TORCH_OPS
+    from nanovllm.models.loader import load_safetensors
+    from nanovllm.models.registry import build_model
+    path = tiny_ckpt("qwen3")
     op, calls = _counting(qkv_norm_rope_store_ref)
-    install_fused_qkv(llm.engine.runner.model, op)
+    ops = dataclasses.replace(TORCH_OPS, qkv_norm_rope_store=op)
+    llm = LLM(path, device="cpu", dtype="float32", kvcache_block_size=16)
+    runner = llm.engine.runner
+    model = build_model(ModelConfig.from_dir(path), LayerContext(attention=TorchAttentionBackend(), ops=ops))
+    load_safetensors(model, path)
+    runner.model = model.eval()
+    runner.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
+    bind(runner.attn_layers, runner.kv_cache)
+    assert tuple(runner.kv_cache.shape) == cache_shape(runner.attn_layers, runner.num_kvcache_blocks, 16)
     toks = [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert calls and toks == torch_tokens("qwen3")

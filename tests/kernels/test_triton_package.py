@@ -1,4 +1,4 @@
-"""The kernels package: lazy imports and the TritonOps namespace."""
+"""The kernels package: lazy imports, and the Triton `Ops` the layers are built with."""
 import subprocess
 import sys
 from pathlib import Path
@@ -19,18 +19,21 @@ def test_package_import_is_lazy():
 
 
 def test_triton_ops_namespace(device):
+    from nanovllm.layers.ops import TORCH_OPS, select_ops, triton_ops
     assert kernels.triton_available()
-    ops = kernels.TritonOps()
-    for name in ("rms_norm", "add_rms_norm", "apply_rotary", "silu_and_mul", "store_kvcache",
-                 "paged_prefill_attention", "paged_decode_attention"):
-        assert callable(getattr(ops, name))
+    ops = triton_ops()
+    assert ops.fused and not TORCH_OPS.fused
+    assert select_ops("triton") == ops and select_ops("torch") is TORCH_OPS
+    for name in ("rms_norm", "add_rms_norm", "apply_rotary", "silu_and_mul", "qkv_norm_rope_store", "sample",
+                 "sample_partial"):
+        assert getattr(ops, name) is getattr(kernels, name)
+    for name in ("store_kvcache", "paged_prefill_attention", "paged_decode_attention"):
         assert callable(getattr(kernels, name))
     x = torch.randn(4, 32, device=device)
     r = torch.randn(4, 32, device=device)
-    norm = RMSNorm(32).to(device)
+    norm = RMSNorm(32, 1e-6, ops).to(device)
     with torch.no_grad():
         norm.weight.normal_()
-    norm.fused = ops
     with torch.no_grad():
         torch.testing.assert_close(norm(x), rms_norm_ref(x, norm.weight, norm.eps), atol=1e-6, rtol=1e-6)
         n, s = norm(x, r)
