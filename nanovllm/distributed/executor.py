@@ -28,13 +28,16 @@ read along the way (they prove the rank is alive and in step).
 Failures: the driver waits on the pipes *and* the workers' process sentinels, so a worker that raises
 (its traceback comes back in a `Failed` message) or dies (killed, OOM) is seen at once; the driver then
 gathers what the other ranks report for a moment, kills every worker and raises RuntimeError (ValueError
-for a configuration error raised while the workers start). After that the executor is shut down.
+for a configuration error raised while the workers start). Its headline names the rank at fault: one that died,
+else one that raised an error of its own, never a survivor whose collective merely lost that rank (`_fail`).
+After that the executor is shut down.
 """
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
 import os
+import re
 import signal
 import time
 import weakref
@@ -67,6 +70,17 @@ def _describe_exit(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
+
+
+# a collective that lost a peer: gloo's "Connection reset/closed by peer", "Broken pipe", "Timed out waiting
+# ...", NCCL's "remote process exited or there was a network error" / an aborted communicator
+_PEER_ERROR = re.compile(r"by peer|connection (reset|closed|refused)|broken pipe|socket closed|timed out|"
+                         r"remote process|network error|communicator was aborted", re.IGNORECASE)
+
+
+def _blames_a_peer(m: Failed) -> bool:
+    """Whether a rank's error looks like the fallout of another rank's failure, not a failure of its own."""
+    return m.exc_type in ("DistError", "DistBackendError", "DistNetworkError") or bool(_PEER_ERROR.search(m.message))
 
 
 @dataclass
@@ -281,7 +295,7 @@ class TPExecutor:
             proc = self._res.procs[rank]
             proc.join(0.5)
             if not proc.is_alive():
-                self._fail(self._death(rank))
+                self._fail(dead=rank)
             self._fail(f"could not send {what} to rank {rank} (pid {self._pids[rank]}): {e}")
         except BaseException:  # interrupted half-way: the ranks are out of step for good
             self._failure = f"interrupted while sending {what} to the workers"
@@ -320,12 +334,12 @@ class TPExecutor:
                         except (EOFError, OSError):
                             break
                         self._on_message(r, msg)
-                    self._fail(self._death(r))
+                    self._fail(dead=r)
             waiting = late()
 
     def _on_message(self, r: int, msg) -> None:
         if isinstance(msg, Failed):
-            self._fail_with(msg)
+            self._fail(failed=msg)
         if isinstance(msg, Done) and msg.rank == r and msg.step == self._acked[r] + 1 and msg.step <= self._sent:
             self._acked[r] = msg.step
             if r == 0:
@@ -346,25 +360,28 @@ class TPExecutor:
         try:
             return self._res.conns[r].recv()
         except (EOFError, OSError):
-            self._fail(self._death(r))
+            self._fail(dead=r)
 
-    def _death(self, r: int) -> str:
-        self._res.procs[r].join(1.0)  # its sentinel fired: reap it to learn the exit status
-        return (f"tensor-parallel worker rank {r} (pid {self._pids[r]}) died unexpectedly "
-                f"({_describe_exit(self._res.procs[r].exitcode)})")
+    def _exit_of(self, r: int) -> str:
+        self._res.procs[r].join(1.0)  # its pipe closed or its sentinel fired: reap it to learn the exit status
+        return _describe_exit(self._res.procs[r].exitcode)
 
-    def _fail_with(self, first: Failed):
-        self._fail(None, first)
+    def _fail(self, reason: str | None = None, *, failed: Failed | None = None, dead: int | None = None):
+        """Listen briefly for the other ranks' reports, kill every worker, raise.
 
-    def _fail(self, reason: str | None, first: Failed | None = None):
-        """Listen briefly for the other ranks' reports, kill every worker, raise."""
+        What the driver saw first (a rank's `failed` message, a `dead` rank, or a `reason` of its own) need not
+        be the cause: when a rank dies, the others' collectives fail too, and their Failed ("connection reset
+        by peer") can reach the driver before the dead rank's sentinel. So the headline is chosen once every
+        rank has had its say (or FAILURE_GRACE_S is up): a rank that died without a word (killed, OOM, a
+        crash), else the first rank that raised an error of its own, else the first report. A reason of the
+        driver's own (a timeout, a protocol error) stays the headline."""
         res = self._res
         res.graceful = False
-        reports: dict[int, Failed] = {first.rank: first} if first else {}
-        dead: set[int] = set()
+        reports: dict[int, Failed] = {failed.rank: failed} if failed else {}  # in the order they came
+        silent: list[int] = [] if dead is None else [dead]                   # died without a Failed
         deadline = time.monotonic() + FAILURE_GRACE_S
         while time.monotonic() < deadline:
-            live = {res.conns[r]: r for r in range(self.size) if r not in reports and r not in dead}
+            live = {res.conns[r]: r for r in range(self.size) if r not in reports and r not in silent}
             if not live:
                 break
             for obj in mp_wait(list(live), timeout=max(0.0, deadline - time.monotonic())):
@@ -372,25 +389,31 @@ class TPExecutor:
                 try:
                     msg = obj.recv()
                 except (EOFError, OSError):
-                    dead.add(r)
+                    silent.append(r)
                     continue
                 if isinstance(msg, Failed):
                     reports[r] = msg
-        if first is not None:
-            headline = (f"tensor-parallel worker rank {first.rank} (pid {self._pids[first.rank]}) raised "
-                        f"{first.exc_type}: {first.message}")
-        else:
+        deaths = {r: self._exit_of(r) for r in silent}
+        cause = None  # the Failed the headline reports
+        if reason is not None:
             headline = reason
+        elif deaths:
+            r = silent[0]
+            headline = f"tensor-parallel worker rank {r} (pid {self._pids[r]}) died unexpectedly ({deaths.pop(r)})"
+        else:
+            cause = next((m for m in reports.values() if not _blames_a_peer(m)), next(iter(reports.values())))
+            headline = (f"tensor-parallel worker rank {cause.rank} (pid {self._pids[cause.rank]}) raised "
+                        f"{cause.exc_type}: {cause.message}")
         lines = [headline]
-        for r, m in sorted(reports.items()):
-            if m is not first:
-                lines.append(f"  rank {r} also raised {m.exc_type}: {m.message}")
-        if first is not None:
-            lines.append(f"--- traceback of rank {first.rank} ---\n{first.traceback.rstrip()}")
+        lines += [f"  rank {r} also died ({how})" for r, how in deaths.items()]
+        lines += [f"  rank {r} also raised {m.exc_type}: {m.message}"
+                  for r, m in sorted(reports.items()) if m is not cause]
+        if cause is not None:
+            lines.append(f"--- traceback of rank {cause.rank} ---\n{cause.traceback.rstrip()}")
         message = "\n".join(lines)
         self._failure = headline
         self.shutdown()
-        if first is not None and first.during_init and first.exc_type in ("ValueError", "TypeError"):
+        if cause is not None and cause.during_init and cause.exc_type in ("ValueError", "TypeError"):
             # a configuration problem found while the ranks start (e.g. the KV cache is too small)
-            raise (ValueError if first.exc_type == "ValueError" else TypeError)(message)
+            raise (ValueError if cause.exc_type == "ValueError" else TypeError)(message)
         raise RuntimeError(message)

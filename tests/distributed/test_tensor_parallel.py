@@ -17,7 +17,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.config import ModelConfig
 from nanovllm.distributed import check_tp_supported
 from tests.conftest import make_prompts
-from tests.distributed.tp_helpers import assert_workers_gone, engine_cache, gone, ids
+from tests.distributed.tp_helpers import assert_killed_headline, assert_workers_gone, engine_cache, gone, ids
 
 MAX_NEW = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
@@ -187,18 +187,22 @@ def test_tp4_replicated_kv_heads_and_clean_shutdown(tiny_ckpt):
         llm.generate(prompts, GREEDY, use_tqdm=False)
 
 
-def test_killed_worker_raises_fast(tiny_ckpt):
+@pytest.mark.parametrize("victim", [1, 0])
+def test_killed_worker_raises_fast(tiny_ckpt, victim):
+    """The headline names the killed rank, though the survivor's collective fails too ("connection reset by
+    peer") and its report may reach the driver first."""
     path = tiny_ckpt("qwen3")
     llm = LLM(path, tensor_parallel_size=2, **ENGINE_KW)
     runner = llm.engine.runner
     pids = runner.worker_pids
     try:
         llm.generate(_prompts(4, (6,)), GREEDY, use_tqdm=False)
-        os.kill(pids[1], signal.SIGKILL)
+        os.kill(pids[victim], signal.SIGKILL)
         t0 = time.monotonic()
-        with pytest.raises(RuntimeError, match=r"rank 1 .*died unexpectedly \(killed by signal SIGKILL\)"):
+        with pytest.raises(RuntimeError) as info:
             llm.generate(_prompts(5, (6, 3)), GREEDY, use_tqdm=False)
-        assert time.monotonic() - t0 < 15  # "within seconds", with room for a loaded 2-core CI machine
+        assert time.monotonic() - t0 < 5  # the failure grace (1s) and reaping, with room for a loaded machine
+        assert_killed_headline(info.value, victim, pids[victim])
         assert not runner.is_alive
         assert_workers_gone(pids)  # the executor killed the surviving rank and reaped both
         with pytest.raises(RuntimeError, match="has failed"):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import re
 
 
 def ids(outs):
@@ -16,6 +17,13 @@ def gone(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def assert_killed_headline(exc: BaseException, rank: int, pid: int) -> None:
+    """The error's first line names `rank` as the one that died of SIGKILL (the survivors' errors come after)."""
+    headline = str(exc).splitlines()[0]
+    assert re.fullmatch(rf"tensor-parallel worker rank {rank} \(pid {pid}\) died unexpectedly "
+                        rf"\(killed by signal SIGKILL\)", headline), str(exc)[:2000]
 
 
 def assert_workers_gone(pids):
