@@ -24,7 +24,6 @@ from nanovllm.utils.tiny_model import (  # noqa: E402
     build_tiny_checkpoint,
     default_tiny_model_dir,
     ensure_default_tiny_model,
-    logit_gap_stats,
 )
 
 ARCHS = ["qwen3", "qwen2", "llama"]
@@ -274,3 +273,29 @@ def test_ensure_default_tiny_model(tmp_path, monkeypatch):
     assert ensure_default_tiny_model() == path
     assert os.path.isfile(os.path.join(path, "model.safetensors"))
     AutoModelForCausalLM.from_pretrained(path)
+
+
+def logit_gap_stats(model, *, num_prompts=64, prompt_len=12, seed=1234, vocab_limit=None):
+    """Top-1 minus top-2 next-token logit gap for random prompts.
+
+    Returns a dict with min / median / mean and the fraction of prompts whose
+    gap exceeds 1e-3, 1e-2 and 1e-1.  ``model`` is a transformers causal LM.
+    """
+    import torch
+
+    vocab = vocab_limit or model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (num_prompts, prompt_len), generator=gen)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, -1, :].float()
+    top2 = logits.topk(2, dim=-1).values
+    gap = top2[:, 0] - top2[:, 1]
+    return {
+        "min": gap.min().item(),
+        "median": gap.median().item(),
+        "mean": gap.mean().item(),
+        "frac_gt_1e-3": (gap > 1e-3).float().mean().item(),
+        "frac_gt_1e-2": (gap > 1e-2).float().mean().item(),
+        "frac_gt_1e-1": (gap > 1e-1).float().mean().item(),
+        "logit_std": logits.std().item(),
+    }

@@ -185,7 +185,7 @@ class ModelRunner:
         """The decode kernel's KV splits for `batch` sequences, as a decode graph of that size uses them."""
         if self.config.attention_backend != "triton":
             return 1
-        from nanovllm.kernels.attention import decode_num_splits
+        from nanovllm.kernels.decode_attention import decode_num_splits
         return decode_num_splits(batch, self.attn_layers[0].num_kv_heads,
                                  -(-self.config.max_model_len // self.block_size), self.block_size, self.device)
 

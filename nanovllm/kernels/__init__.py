@@ -38,9 +38,9 @@ __all__ = [
 # public name -> submodule that defines it
 _LAZY = {
     "store_kvcache": "kvcache",
-    "paged_prefill_attention": "attention",
-    "paged_decode_attention": "attention",
-    "decode_workspace_numel": "attention",
+    "paged_prefill_attention": "prefill_attention",
+    "paged_decode_attention": "decode_attention",
+    "decode_workspace_numel": "decode_attention",
     "rms_norm": "norm",
     "add_rms_norm": "norm",
     "silu_and_mul": "activation",

@@ -13,7 +13,7 @@ Design notes
   0.3, much larger than the usual 0.02) so that the next-token distribution is
   far from flat and greedy argmax is numerically robust: with the default
   shapes the logits have std ~2.4 and the top-1/top-2 gap has median ~0.55 and
-  exceeds 1e-3 for ~99.8% of random prompts (see ``logit_gap_stats``).  With
+  exceeds 1e-3 for ~99.8% of random prompts (tests/test_tiny_model.py).  With
   small stds (0.02-0.1) the tied-embedding model mostly repeats one token;
   with 0.3 greedy generations are varied.
 * Every RMSNorm weight is ``1 + 0.1 * randn`` rather than all ones, so a bug in
@@ -45,11 +45,12 @@ import tempfile
 import time
 import uuid
 
+from nanovllm.utils.tiny_tokenizer import CHAT_TEMPLATE, EOS_TOKEN, IM_END, IM_START, build_hf_tokenizer
+
 __all__ = [
     "build_tiny_checkpoint",
     "default_tiny_model_dir",
     "ensure_default_tiny_model",
-    "logit_gap_stats",
     "SUPPORTED_ARCHS",
     "DEFAULT_INIT_STD",
     "EOS_TOKEN",
@@ -62,139 +63,9 @@ SUPPORTED_ARCHS = ("qwen3", "qwen2", "llama")
 
 DEFAULT_INIT_STD = 0.3
 NORM_WEIGHT_STD = 0.1
-TOKENIZER_TARGET_SIZE = 480  # byte alphabet + merges (+3 specials -> 483)
 VOCAB_MULTIPLE = 64
-
-EOS_TOKEN = "<|endoftext|>"
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"
-SPECIAL_TOKENS = (EOS_TOKEN, IM_START, IM_END)
-
-# Bumped whenever the on-disk result of ensure_default_tiny_model() changes.
 _FORMAT_VERSION = 1
 _MARKER_FILE = ".nanovllm_tiny_model.json"
-
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}"
-    "{{- '<|im_start|>assistant\\n' }}"
-    "{%- endif %}"
-)
-
-# GPT-4 / Qwen2 style split: contractions, letter runs (with one leading
-# non-letter), single digits, punctuation runs, newlines, whitespace.
-_PRETOKENIZE_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
-    r"|[^\r\n\p{L}\p{N}]?\p{L}+"
-    r"|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+"
-    r"|\s+(?!\S)"
-    r"|\s+"
-)
-
-# A few paragraphs of varied English used to train the BPE merges.
-_CORPUS = [
-    """The quick brown fox jumps over the lazy dog. A journey of a thousand miles
-begins with a single step. Once upon a time, in a small village at the edge of a
-great forest, there lived an old clockmaker who repaired watches for everyone in
-town. Every morning he opened his shop at seven o'clock, swept the floor, and
-wound the tall clock that stood by the door.""",
-    """Large language models predict the next token given the previous tokens.
-During inference, the engine keeps a key-value cache for every sequence, so that
-each new token only needs one forward pass over a single position. Batching many
-requests together improves throughput, while paged memory management avoids
-fragmentation when sequences grow and shrink at different rates.""",
-    """Hello! How are you today? I'm doing well, thank you for asking. Could you
-tell me the weather forecast for tomorrow? It should be sunny in the morning,
-with a chance of rain in the afternoon. Don't forget to bring an umbrella, just
-in case. What time does the train leave? It leaves at 9:45 from platform 3.""",
-    """In mathematics, a prime number is a natural number greater than 1 that is
-not a product of two smaller natural numbers. The first primes are 2, 3, 5, 7,
-11, 13, 17, 19, 23 and 29. Euclid proved that there are infinitely many primes;
-the sum 1 + 2 + 3 + ... + n equals n(n + 1) / 2, and 2^10 = 1024.""",
-    """def fibonacci(n):
-    a, b = 0, 1
-    for _ in range(n):
-        a, b = b, a + b
-    return a
-
-print([fibonacci(i) for i in range(10)])  # [0, 1, 1, 2, 3, 5, 8, 13, 21, 34]""",
-    """The history of science is full of surprises. Astronomers once believed
-that the planets moved in perfect circles; later observations showed that their
-orbits are ellipses. Chemists learned that water is made of hydrogen and oxygen,
-and biologists discovered that living cells contain the instructions for
-building proteins. Each discovery raised new questions for the next generation.""",
-    """Recipe for simple bread: mix 500 grams of flour, 10 grams of salt, 7 grams
-of yeast and 350 millilitres of warm water. Knead the dough for ten minutes,
-let it rise for an hour, shape it into a loaf, and bake it at 220 degrees for
-thirty minutes until the crust is golden brown. Let it cool before slicing.""",
-    """Dear team, thanks again for the great work this quarter. We shipped the new
-release on time, fixed more than forty bugs, and the customers have noticed.
-Please remember to update your documentation, review the open pull requests, and
-write tests for any new feature. Best regards, and have a nice weekend!""",
-]
-
-
-# ----------------------------------------------------------------------------
-# Tokenizer
-# ----------------------------------------------------------------------------
-
-
-def _train_tokenizer_object(target_size: int = TOKENIZER_TARGET_SIZE):
-    """Train a byte-level BPE ``tokenizers.Tokenizer`` on the built-in corpus.
-
-    Special tokens are added after training, so they get the highest ids (like
-    Qwen's ``<|endoftext|>``), which also keeps id 0 an ordinary token.
-    """
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    # Qwen-style pipeline (NFC, regex split, byte-level without its own regex):
-    # transformers 5 loads "qwen2" checkpoints with Qwen2Tokenizer, which
-    # rebuilds exactly this pipeline from vocab + merges, so tokenizer.json and
-    # every tokenizer class transformers may pick agree token for token.
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_PRETOKENIZE_PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=target_size,
-        min_frequency=2,
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=[],
-    )
-    # Repeat the corpus a little so that frequent pairs clearly win; the merge
-    # order is deterministic for a fixed corpus.
-    tok.train_from_iterator(list(_CORPUS) * 2, trainer=trainer)
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
-    return tok
-
-
-def _build_hf_tokenizer():
-    from transformers import PreTrainedTokenizerFast
-
-    tok_obj = _train_tokenizer_object()
-    hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok_obj,
-        eos_token=EOS_TOKEN,
-        pad_token=EOS_TOKEN,
-        additional_special_tokens=[IM_START, IM_END],
-        clean_up_tokenization_spaces=False,
-        model_max_length=1 << 30,
-    )
-    hf_tok.chat_template = CHAT_TEMPLATE
-    return hf_tok
-
-
-# ----------------------------------------------------------------------------
-# Model config
-# ----------------------------------------------------------------------------
 
 
 def _config_class(arch: str):
@@ -369,7 +240,7 @@ def build_tiny_checkpoint(path, arch="qwen3", *, vocab_size=None, hidden_size=64
     import torch
     from transformers import GenerationConfig
 
-    tokenizer = _build_hf_tokenizer()
+    tokenizer = build_hf_tokenizer()
     tok_size = len(tokenizer)
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     if vocab_size is None:
@@ -555,34 +426,3 @@ def ensure_default_tiny_model() -> str:
         if _is_complete(path):
             return path
         return build_tiny_checkpoint(path, "qwen3", overwrite=True)
-
-
-# ----------------------------------------------------------------------------
-# Diagnostics
-# ----------------------------------------------------------------------------
-
-
-def logit_gap_stats(model, *, num_prompts=64, prompt_len=12, seed=1234, vocab_limit=None):
-    """Top-1 minus top-2 next-token logit gap for random prompts.
-
-    Returns a dict with min / median / mean and the fraction of prompts whose
-    gap exceeds 1e-3, 1e-2 and 1e-1.  ``model`` is a transformers causal LM.
-    """
-    import torch
-
-    vocab = vocab_limit or model.config.vocab_size
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (num_prompts, prompt_len), generator=gen)
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[:, -1, :].float()
-    top2 = logits.topk(2, dim=-1).values
-    gap = top2[:, 0] - top2[:, 1]
-    return {
-        "min": gap.min().item(),
-        "median": gap.median().item(),
-        "mean": gap.mean().item(),
-        "frac_gt_1e-3": (gap > 1e-3).float().mean().item(),
-        "frac_gt_1e-2": (gap > 1e-2).float().mean().item(),
-        "frac_gt_1e-1": (gap > 1e-1).float().mean().item(),
-        "logit_std": logits.std().item(),
-    }

@@ -31,7 +31,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from nanovllm.kernels import activation, ar_norm, attention, fused_qkv, kvcache, norm, rotary  # noqa: E402
+from nanovllm.kernels import activation, ar_norm, fused_qkv, kvcache, norm, rotary  # noqa: E402
+from nanovllm.kernels import decode_attention as decode  # noqa: E402
+from nanovllm.kernels import prefill_attention as prefill  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -71,20 +73,20 @@ def check(dt: str) -> None:
     for D, G, bs, mq in [(128, 4, 16, 512), (128, 8, 256, 1), (64, 1, 16, 2048), (128, 7, 32, 4),
                          (256, 2, 16, 512)]:
         g_pad = triton.next_power_of_2(G)
-        bm, bn, warps, stages = attention._prefill_config(D, g_pad, mq, dtype)
+        bm, bn, warps, stages = prefill._prefill_config(D, g_pad, mq, dtype)
         ptrs = {n: f"*{dt}" for n in ("Q", "K", "V", "Out")}
-        build(attention._prefill_kernel, {**ptrs, "CU": "*i32", "SEQ_LENS": "*i32", "BT": "*i32",
+        build(prefill._prefill_kernel, {**ptrs, "CU": "*i32", "SEQ_LENS": "*i32", "BT": "*i32",
                                           "qk_scale": "fp32"},
               dict(G=G, G_PAD=g_pad, BLOCK_Q=bm // g_pad, BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=D, BLOCK_SIZE=bs,
                    BLOCK_B=64, PREC=prec, UPCAST=False), num_warps=warps, num_stages=stages)
         for splits in (1, 8):
-            build(attention._decode_kernel, {**ptrs, "PART_O": "*fp32", "PART_LSE": "*fp32", "SEQ_LENS": "*i32",
+            build(decode._decode_kernel, {**ptrs, "PART_O": "*fp32", "PART_LSE": "*fp32", "SEQ_LENS": "*i32",
                                              "ORDER": "*i32", "BT": "*i32", "qk_scale": "fp32"},
-                  dict(G=G, BLOCK_G=max(16, g_pad), BLOCK_N=attention._decode_block_n(D, dtype), HEAD_DIM=D,
+                  dict(G=G, BLOCK_G=max(16, g_pad), BLOCK_N=decode._decode_block_n(D, dtype), HEAD_DIM=D,
                        BLOCK_SIZE=bs, SPLIT=splits > 1, PREC=prec, UPCAST=False,
                        USE_ORDER=splits == 1, SKIP_EMPTY=splits == 8),
                   num_warps=4, num_stages=2)
-        build(attention._decode_reduce_kernel, {"PART_O": "*fp32", "PART_LSE": "*fp32", "Out": f"*{dt}"},
+        build(decode._decode_reduce_kernel, {"PART_O": "*fp32", "PART_LSE": "*fp32", "Out": f"*{dt}"},
               dict(SPLITS_PAD=32, HEAD_DIM=D, SKIP_EMPTY=True), num_warps=4)
     build(kvcache._store_kvcache_kernel, {"K": f"*{dt}", "V": f"*{dt}", "KC": f"*{dt}", "VC": f"*{dt}",
                                           "SLOTS": "*i64"},

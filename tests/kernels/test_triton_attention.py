@@ -3,12 +3,8 @@ import pytest
 import torch
 
 from nanovllm.attention.torch_ref import paged_attention_ref
-from nanovllm.kernels.attention import (
-    decode_num_splits,
-    decode_workspace_numel,
-    paged_decode_attention,
-    paged_prefill_attention,
-)
+from nanovllm.kernels.decode_attention import decode_num_splits, decode_workspace_numel, paged_decode_attention
+from nanovllm.kernels.prefill_attention import paged_prefill_attention
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5),
        torch.float16: dict(atol=5e-3, rtol=5e-3),
@@ -98,7 +94,7 @@ def test_prefill_mixed_batch(device, block_size, H, Hkv, D, dtype):
 def test_prefill_more_sequences_than_one_lookup_block(device, persistent):
     """More sequences than the kernel's tile -> sequence search handles at once (it loops; the persistent grid's
     tile numbering carries across those blocks)."""
-    from nanovllm.kernels.attention import _PREFILL_BLOCK_B
+    from nanovllm.kernels.prefill_attention import _PREFILL_BLOCK_B
     n = _PREFILL_BLOCK_B + 9
     specs = [(3 + i % 5, 1 + i % 2) for i in range(n)]
     batch = make_batch(specs, 2, 1, 16, 16, torch.float32, device, seed=11)
@@ -154,7 +150,7 @@ def test_prefill_persistent_grid_matches_reference(device, monkeypatch, block_si
     over long prefixes, a fresh prompt, padding (seq_len 0) and leading sequences without queries (a mixed step's
     decode rows), with more tiles than programs. Rows outside cu[0]..cu[-1] stay untouched, the rest matches the
     reference and the one-program-per-tile grid."""
-    from nanovllm.kernels import attention
+    from nanovllm.kernels import prefill_attention as attention
     specs = [(40, 1)] * 3 + [(300, 37), (96, 96), (0, 1), (133, 5), (70, 20)]
     batch = make_batch(specs, H, Hkv, D, block_size, dtype, device, seed=D + block_size)
     ref = reference(batch, D ** -0.5)
@@ -212,7 +208,7 @@ def test_decode_split_counts_share_one_variant(device, monkeypatch):
     same compile-time options (a graph capture over many batch sizes, each with its own count, compiles one split
     variant instead of one per count: cold start-up, benchmarks/RESULTS.md run 19), and each count is exact,
     also past the reduce kernel's padded width (40 > 32)."""
-    from nanovllm.kernels import attention
+    from nanovllm.kernels import decode_attention as attention
 
     launches = []
 
