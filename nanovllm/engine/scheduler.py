@@ -210,7 +210,7 @@ class Scheduler:
         samples its first token) is held back until it is urgent, so prefill fills the early steps while requests
         start as late as the run allows and finish together, keeping the tail of the run full. (Admitting fast
         enough for every waiting request's latest start, with the start tied to the prefill, front-loads both and
-        thins the tail: ~2% slower in benchmarks/schedule_sim.py, benchmarks/RESULTS.md run 17.)"""
+        thins the tail: ~2% slower in a simulation, benchmarks/RESULTS.md run 17.)"""
         work = 0
         decode = 0
         last_prompt_token = 0  # sequences with only their last prompt token left to compute
