@@ -339,7 +339,8 @@ class PendingStep:
     def sample(self, late: LateInputs) -> None:
         if self._deferred is None:
             raise RuntimeError("this step was not deferred (or has been sampled already)")
-        done, self._deferred = self._deferred(late), None
+        with torch.inference_mode():
+            done, self._deferred = self._deferred(late), None
         self.sampled, self.host, self.event = done.sampled, done.host, done.event
 
     @classmethod
