@@ -32,10 +32,10 @@ def _import_xgrammar():
 
 
 def spec_key(spec: StructuredOutputsParams) -> tuple[str, str]:
-    """(kind, text): the cache key of a spec (a JSON schema dict as canonical JSON text)."""
+    """(kind, text): the cache key of a spec (a JSON schema dict as its JSON text, properties in order)."""
     kind = spec.kind
     if kind == "json":
-        text = spec.json if isinstance(spec.json, str) else json.dumps(spec.json, sort_keys=True)
+        text = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
     elif kind == "choice":
         text = json.dumps(spec.choice)
     elif kind == "json_object":
