@@ -73,7 +73,11 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.config = EngineConfig.resolve(args)
         try:
-            self.tokenizer = _load_tokenizer(args.tokenizer or self.config.model_dir)
+            tok_dir = self.config.model_dir
+            if args.tokenizer is not None:
+                from nanovllm.utils.hub import resolve_model_dir
+                tok_dir = resolve_model_dir(args.tokenizer, args.tokenizer_revision, args.download_dir, "tokenizer")
+            self.tokenizer = _load_tokenizer(tok_dir)
         except ValueError:
             if args.load_format != "dummy":
                 raise
