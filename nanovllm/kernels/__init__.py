@@ -21,7 +21,8 @@ Public kernels (each mirrors a torch reference elsewhere in the package):
   (QK-norm + RoPE + KV store in one launch; reference ``nanovllm.layers.fused_qkv_ref``)
 * ``fused_moe(x, router_logits, w13, w2, top_k, renormalize, out=None, *, config=None)`` -> (T, H) the
   mixture-of-experts feed-forward (routing, expert-sorted layout, grouped GEMMs, combine; reference
-  ``nanovllm.layers.moe_ref.fused_moe_ref``)
+  ``nanovllm.layers.moe_ref.fused_moe_ref``); ``fused_moe_compile(w13, w2, top_k, renormalize)`` compiles every
+  kernel variant its tile table can pick for that weight shape
 
 ``nanovllm.layers.ops.triton_ops()`` bundles them for the layers, which pick them when the model is built.
 """
@@ -35,7 +36,7 @@ __all__ = [
     "triton_available",
     "store_kvcache", "paged_prefill_attention", "paged_decode_attention", "decode_workspace_numel",
     "rms_norm", "add_rms_norm", "silu_and_mul", "apply_rotary", "sample", "sample_partial",
-    "qkv_norm_rope_store", "fused_moe",
+    "qkv_norm_rope_store", "fused_moe", "fused_moe_compile",
 ]
 
 # public name -> submodule that defines it
@@ -52,6 +53,7 @@ _LAZY = {
     "sample_partial": "sampling",
     "qkv_norm_rope_store": "fused_qkv",
     "fused_moe": "moe",
+    "fused_moe_compile": "moe",
 }
 
 @functools.cache

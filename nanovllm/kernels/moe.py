@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels._common import check_float, check_same_device, dot_precision, next_pow2, upcast_dots
-from nanovllm.kernels.moe_configs import GemmTile, MoEConfig, moe_config
+from nanovllm.kernels.moe_configs import GemmTile, MoEConfig, config_buckets, moe_config
 from nanovllm.kernels.moe_routing import moe_align, moe_route
 from nanovllm.layers.moe_ref import MoELayout
 
@@ -212,3 +212,15 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     layout = moe_align(ids, E, config.block_m)
     inter = moe_gate_up(x, w13, layout, top_k, config.gate_up)
     return moe_combine(moe_down(inter, w2, layout, weights, config.down), top_k, out)
+
+
+def fused_moe_compile(w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool) -> int:
+    """Run the layer on one token with every config of its weight shape's table, so that each kernel variant a step
+    can pick is compiled now (at start-up), not by the first step of its size mid-run. Returns how many configs."""
+    E, two_i, H = w13.shape
+    configs = dict.fromkeys(cfg for _, cfg in config_buckets(E, H, two_i // 2))
+    x = torch.zeros(1, H, dtype=w13.dtype, device=w13.device)
+    logits = torch.zeros(1, E, dtype=w13.dtype, device=w13.device)
+    for cfg in configs:
+        fused_moe(x, logits, w13, w2, top_k, renormalize, config=cfg)
+    return len(configs)

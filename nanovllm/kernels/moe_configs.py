@@ -80,9 +80,14 @@ DEFAULT_BUCKETS: tuple[tuple[int, MoEConfig], ...] = (
 MOE_CONFIGS: dict[tuple[int, int, int], tuple[tuple[int, MoEConfig], ...]] = {}
 
 
+def config_buckets(num_experts: int, hidden_size: int, intermediate_size: int) -> tuple[tuple[int, MoEConfig], ...]:
+    """The (largest token count, config) buckets of experts of this shape (intermediate_size: this rank's)."""
+    return MOE_CONFIGS.get((num_experts, hidden_size, intermediate_size), DEFAULT_BUCKETS)
+
+
 def moe_config(tokens: int, num_experts: int, hidden_size: int, intermediate_size: int) -> MoEConfig:
     """The config for a step of `tokens` tokens over experts of this shape (intermediate_size: this rank's)."""
-    buckets = MOE_CONFIGS.get((num_experts, hidden_size, intermediate_size), DEFAULT_BUCKETS)
+    buckets = config_buckets(num_experts, hidden_size, intermediate_size)
     for max_tokens, cfg in buckets:
         if tokens <= max_tokens:
             return cfg

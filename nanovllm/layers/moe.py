@@ -41,6 +41,9 @@ class MoEMethod(Protocol):
 class UnquantizedMoEMethod:
     """Experts in the model's dtype, multiplied by the layer's ``fused_moe`` kernel."""
 
+    def __init__(self):
+        self._compiled: set = set()  # the weight shapes whose kernel variants are compiled (once per shape)
+
     def create_weights(self, layer):
         E, H, inter = layer.num_experts, layer.hidden_size, layer.intermediate_size
         layer.w13 = nn.Parameter(torch.empty(E, 2 * inter, H), requires_grad=False)
@@ -50,7 +53,12 @@ class UnquantizedMoEMethod:
             p.shard_ids = frozenset((e, s) for e in range(E) for s in shards)
 
     def process_weights_after_loading(self, layer):
-        pass
+        """On CUDA, compile every kernel variant a step may pick for these weights (Triton), once per shape: none
+        is then compiled mid-run by the first step of its size."""
+        key = (tuple(layer.w13.shape), layer.w13.dtype, layer.w13.device, layer.top_k, layer.renormalize)
+        if layer.fused_moe_compile is not None and layer.w13.is_cuda and key not in self._compiled:
+            self._compiled.add(key)
+            layer.fused_moe_compile(layer.w13, layer.w2, layer.top_k, layer.renormalize)
 
     def apply(self, layer, x, router_logits, out=None):
         return layer.fused_moe(x, router_logits, layer.w13, layer.w2, layer.top_k, layer.renormalize, out=out)
@@ -69,7 +77,7 @@ class FusedMoE(nn.Module):
         self.tp = tp
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size // tp.size
-        self.fused_moe = ops.fused_moe
+        self.fused_moe, self.fused_moe_compile = ops.fused_moe, ops.fused_moe_compile
         self.method = method = method if method is not None else UnquantizedMoEMethod()
         method.create_weights(self)
 

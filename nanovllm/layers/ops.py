@@ -27,6 +27,8 @@ class Ops:
     sample_partial: Callable | None = None
     # the mixture-of-experts feed-forward: (x, router_logits, w13, w2, top_k, renormalize, out=None) -> (T, H)
     fused_moe: Callable = fused_moe_ref
+    # (w13, w2, top_k, renormalize) -> compiles every kernel variant fused_moe may pick for those weights; None: none
+    fused_moe_compile: Callable | None = None
 
     @property
     def fused(self) -> bool:
@@ -42,7 +44,8 @@ def triton_ops() -> Ops:
     from nanovllm import kernels
     return Ops("triton", kernels.rms_norm, kernels.add_rms_norm, kernels.apply_rotary, kernels.silu_and_mul,
                qkv_norm_rope_store=kernels.qkv_norm_rope_store, sample=kernels.sample,
-               sample_partial=kernels.sample_partial, fused_moe=kernels.fused_moe)
+               sample_partial=kernels.sample_partial, fused_moe=kernels.fused_moe,
+               fused_moe_compile=kernels.fused_moe_compile)
 
 
 def select_ops(attention_backend: str) -> Ops:

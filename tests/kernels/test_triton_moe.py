@@ -5,7 +5,7 @@ combine, and the whole layer in float32 and bfloat16."""
 import pytest
 import torch
 
-from nanovllm.kernels.moe import fused_moe, moe_combine, moe_down, moe_gate_up
+from nanovllm.kernels.moe import fused_moe, fused_moe_compile, moe_combine, moe_down, moe_gate_up
 from nanovllm.kernels.moe_configs import DEFAULT_BUCKETS, GemmTile, MoEConfig, moe_config
 from nanovllm.kernels.moe_routing import moe_align, moe_route
 from nanovllm.layers.moe_ref import (
@@ -158,7 +158,7 @@ def test_fused_moe_rejects_bad_inputs(device):
     assert fused_moe(x[:0], lg[:0], w13, w2, 2, True).shape == (0, 64)
 
 
-def test_config_table_lookup():
+def test_config_table_lookup(device):
     assert moe_config(1, 128, 2048, 768) is DEFAULT_BUCKETS[0][1]
     assert moe_config(10 ** 6, 128, 2048, 768) is DEFAULT_BUCKETS[-1][1]
     assert [moe_config(n, 8, 64, 32).block_m for n in (16, 17, 256, 1024, 1025)] == [16, 16, 16, 32, 64]
@@ -167,3 +167,5 @@ def test_config_table_lookup():
         GemmTile(24, 64)
     with pytest.raises(ValueError, match="block_m"):
         MoEConfig(8, GemmTile(16, 16), GemmTile(16, 16))
+    w13, w2 = torch.zeros(8, 64, 64, device=device), torch.zeros(8, 64, 32, device=device)
+    assert fused_moe_compile(w13, w2, 2, True) == len(set(c for _, c in DEFAULT_BUCKETS)) == 4
