@@ -216,11 +216,19 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
 
 def fused_moe_compile(w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool) -> int:
     """Run the layer on one token with every config of its weight shape's table, so that each kernel variant a step
-    can pick is compiled now (at start-up), not by the first step of its size mid-run. Returns how many configs."""
+    can pick is compiled now (at start-up), not by the first step of its size mid-run; the first config alone
+    (it compiles the kernels all share), the others side by side (the compiler runs in subprocesses). Returns
+    how many configs."""
+    from concurrent.futures import ThreadPoolExecutor
     E, two_i, H = w13.shape
-    configs = dict.fromkeys(cfg for _, cfg in config_buckets(E, H, two_i // 2))
+    configs = list(dict.fromkeys(cfg for _, cfg in config_buckets(E, H, two_i // 2)))
     x = torch.zeros(1, H, dtype=w13.dtype, device=w13.device)
     logits = torch.zeros(1, E, dtype=w13.dtype, device=w13.device)
-    for cfg in configs:
+
+    def run(cfg):
         fused_moe(x, logits, w13, w2, top_k, renormalize, config=cfg)
+
+    run(configs[0])
+    with ThreadPoolExecutor(max(1, len(configs) - 1)) as pool:
+        list(pool.map(run, configs[1:]))
     return len(configs)

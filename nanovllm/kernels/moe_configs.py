@@ -66,12 +66,14 @@ def _c(block_m, up, down) -> MoEConfig:
     return MoEConfig(block_m, GemmTile(*up), GemmTile(*down))
 
 
-# Untuned Hopper starting points (to be replaced by `kernel_bench.py moe` on an H200): decode sizes stream the
-# weights with 16-row blocks and 4-5 stages; from 1,024 tokens, 64-row blocks for wgmma.
+# Untuned Hopper starting points (to be replaced by `kernel_bench.py moe` on an H200): up to ~16 rows per expert
+# (128 tokens at E=128, k=8), 16-row blocks stream the weights with 4-5 stages; up to ~32 rows per expert
+# (512 tokens: the decode and mixed-step graphs), 32-row blocks, so that an expert's tile is read once; from
+# there 64-row blocks for wgmma.
 DEFAULT_BUCKETS: tuple[tuple[int, MoEConfig], ...] = (
     (16, _c(16, (32, 128, 4, 5), (32, 128, 4, 5))),
-    (256, _c(16, (64, 128, 4, 4), (64, 128, 4, 4))),
-    (1024, _c(32, (64, 128, 4, 4), (64, 128, 4, 4))),
+    (128, _c(16, (64, 128, 4, 4), (64, 128, 4, 4))),
+    (512, _c(32, (64, 128, 4, 4), (64, 128, 4, 4))),
     (1 << 30, _c(64, (128, 64, 8, 3), (128, 64, 8, 3))),
 )
 

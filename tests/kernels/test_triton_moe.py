@@ -161,7 +161,7 @@ def test_fused_moe_rejects_bad_inputs(device):
 def test_config_table_lookup(device):
     assert moe_config(1, 128, 2048, 768) is DEFAULT_BUCKETS[0][1]
     assert moe_config(10 ** 6, 128, 2048, 768) is DEFAULT_BUCKETS[-1][1]
-    assert [moe_config(n, 8, 64, 32).block_m for n in (16, 17, 256, 1024, 1025)] == [16, 16, 16, 32, 64]
+    assert [moe_config(n, 8, 64, 32).block_m for n in (16, 17, 128, 129, 512, 513)] == [16, 16, 16, 32, 32, 64]
     assert GemmTile(128, 256).fit(32, 48) == GemmTile(32, 64)
     with pytest.raises(ValueError, match="block_n"):
         GemmTile(24, 64)
