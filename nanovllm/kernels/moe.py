@@ -217,8 +217,8 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
 def fused_moe_compile(w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool) -> int:
     """Run the layer on one token with every config of its weight shape's table, so that each kernel variant a step
     can pick is compiled now (at start-up), not by the first step of its size mid-run; the first config alone
-    (it compiles the kernels all share), the others side by side (the compiler runs in subprocesses). Returns
-    how many configs."""
+    (it compiles the kernels all share), the others side by side on CUDA (the compiler runs in subprocesses; the
+    CPU interpreter runs one launch at a time). Returns how many configs."""
     from concurrent.futures import ThreadPoolExecutor
     E, two_i, H = w13.shape
     configs = list(dict.fromkeys(cfg for _, cfg in config_buckets(E, H, two_i // 2)))
@@ -229,6 +229,6 @@ def fused_moe_compile(w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormali
         fused_moe(x, logits, w13, w2, top_k, renormalize, config=cfg)
 
     run(configs[0])
-    with ThreadPoolExecutor(max(1, len(configs) - 1)) as pool:
+    with ThreadPoolExecutor(max(1, len(configs) - 1) if w13.is_cuda else 1) as pool:
         list(pool.map(run, configs[1:]))
     return len(configs)
