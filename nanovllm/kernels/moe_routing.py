@@ -21,10 +21,12 @@ import triton.language as tl
 from nanovllm.kernels._common import check_float, check_int, next_pow2
 from nanovllm.layers.moe_ref import MoELayout, max_blocks
 
-BLOCK_T = 16   # tokens per routing program
-BLOCK_P = 128  # pairs per counting / scattering chunk
-# the scan's tiles: chunks per step, blocks per step (fixed, so that one compile serves every token count)
-SCAN_CHUNKS, SCAN_BLOCKS = 32, 256
+# Tile sizes, fixed (one compile serves every token count) and small enough that a (tile, experts) int32 matrix
+# stays in registers at E=128: tokens per routing program, pairs per counting / scattering chunk, and the
+# scan's chunks and blocks per step.
+BLOCK_T = 16
+BLOCK_P = 64
+SCAN_CHUNKS, SCAN_BLOCKS = 32, 64
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -162,6 +164,6 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> MoELayout:
         be = max(16, next_pow2(num_experts))
         _count_kernel[(chunks,)](flat, counts, ranks, n, num_experts, BLOCK_P=BLOCK_P, BLOCK_E=be, num_warps=4)
         _scan_kernel[(1,)](counts, offsets, block_expert, block_rows, chunks, nb, num_experts, BLOCK_M=block_m,
-                           BLOCK_C=SCAN_CHUNKS, BLOCK_E=be, BLOCK_B=SCAN_BLOCKS, num_warps=4)
+                           BLOCK_C=SCAN_CHUNKS, BLOCK_E=be, BLOCK_B=SCAN_BLOCKS, num_warps=8)
         _scatter_kernel[(chunks,)](flat, ranks, offsets, sorted_ids, n, num_experts, BLOCK_P=BLOCK_P, num_warps=4)
     return MoELayout(sorted_ids, block_expert, block_rows, block_m)

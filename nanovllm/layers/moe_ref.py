@@ -14,7 +14,8 @@ ties are broken by a stable sort instead: the lower expert index wins, as in the
 `fused_moe_ref` is the model's feed-forward on the torch backend: it runs every expert on every token (static
 shapes, no host syncs, so it also runs inside CUDA graphs) and keeps each token's routed results; E / top_k
 times the work of the kernels, which only the tests and small models see. `align_ref`, `gate_up_ref`,
-`down_ref` and `combine_ref` define the kernels' intermediate steps over the expert-sorted layout (`MoELayout`).
+`down_ref` and `combine_ref` define the kernels' intermediate steps over the expert-sorted layout (`MoELayout`);
+they read the layout on the host (tests only).
 """
 from __future__ import annotations
 
