@@ -126,6 +126,16 @@ def _rows_contiguous(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be contiguous, got shape {tuple(t.shape)} strides {tuple(t.stride())}")
 
 
+def _check_operands(fn: str, a: torch.Tensor, w: torch.Tensor) -> None:
+    """a (rows, K) with contiguous rows and w (E, N, K) contiguous, one dtype."""
+    if a.dim() != 2 or w.dim() != 3 or a.shape[1] != w.shape[2] or (a.shape[1] > 1 and a.stride(1) != 1):
+        raise ValueError(f"{fn}: want rows (n, K) with contiguous rows and weights (E, N, K), got {tuple(a.shape)} "
+                         f"strides {tuple(a.stride())} and {tuple(w.shape)}")
+    if a.dtype != w.dtype:
+        raise ValueError(f"{fn}: operands must share a dtype, got {a.dtype} and {w.dtype}")
+    _rows_contiguous(f"{fn}: weights", w)
+
+
 def _launch_args(tile: GemmTile, dtype: torch.dtype, K: int) -> dict:
     return dict(BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=K % tile.block_k == 0, UPCAST=upcast_dots(dtype),
                 PRECISION=dot_precision(dtype), num_warps=tile.num_warps, num_stages=tile.num_stages)
@@ -134,6 +144,7 @@ def _launch_args(tile: GemmTile, dtype: torch.dtype, K: int) -> dict:
 def moe_gate_up(x: torch.Tensor, w13: torch.Tensor, layout: MoELayout, top_k: int, tile: GemmTile) -> torch.Tensor:
     """(rows, I) silu(gate) * up of each layout row's token and expert (``gate_up_ref``; padding rows unwritten).
     x (T, H) with contiguous rows; w13 (E, 2I, H) contiguous, [gate | up] per expert."""
+    _check_operands("moe_gate_up", x, w13)
     E, two_i, H = w13.shape
     inter = two_i // 2
     tile = tile.fit(inter, H)
@@ -151,6 +162,9 @@ def moe_down(inter: torch.Tensor, w2: torch.Tensor, layout: MoELayout, weights: 
              tile: GemmTile) -> torch.Tensor:
     """(T * top_k, H) weighted down projections, row t * top_k + j (``down_ref``). inter (rows, I) from
     moe_gate_up; w2 (E, H, I) contiguous; weights (T, top_k) float32 contiguous."""
+    _check_operands("moe_down", inter, w2)
+    if weights.dtype != torch.float32 or not weights.is_contiguous():
+        raise ValueError(f"moe_down: weights must be contiguous float32, got {weights.dtype} {tuple(weights.stride())}")
     E, H, K = w2.shape
     tile = tile.fit(H, K)
     nb = layout.block_expert.numel()
@@ -168,8 +182,13 @@ def moe_combine(pairs: torch.Tensor, top_k: int, out: torch.Tensor | None = None
     rows) when given."""
     n, H = pairs.shape
     T = n // top_k
+    if n % top_k or (H > 1 and pairs.stride(1) != 1):
+        raise ValueError(f"moe_combine: pairs must be (T * {top_k}, H) with contiguous rows, got {tuple(pairs.shape)}")
     if out is None:
         out = torch.empty(T, H, dtype=pairs.dtype, device=pairs.device)
+    elif tuple(out.shape) != (T, H) or out.dtype != pairs.dtype or (H > 1 and out.stride(1) != 1):
+        raise ValueError(f"moe_combine: out must be ({T}, {H}) {pairs.dtype} with contiguous rows, got "
+                         f"{tuple(out.shape)} {out.dtype}")
     if T:
         block = min(1024, next_pow2(H))
         _combine_kernel[(T, triton.cdiv(H, block))](pairs, out, H, pairs.stride(0), out.stride(0), TOP_K=top_k,
