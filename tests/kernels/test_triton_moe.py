@@ -69,6 +69,7 @@ def _ids(kind: str, T: int, E: int, k: int, device) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind, T, E, k", [("random", 1, 8, 2), ("random", 37, 8, 2), ("random", 100, 16, 4),
+                                           ("random", 50, 12, 3),
                                            ("two experts", 70, 8, 2), ("random", 300, 128, 8)])
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_align_matches_reference(device, kind, T, E, k, block_m):
