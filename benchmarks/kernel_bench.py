@@ -46,18 +46,16 @@ def block_ms(tokens: int) -> tuple[int, ...]:
     return (32, 64, 128)
 
 
-def tiles(block_m: int) -> list[GemmTile]:
-    """Candidate tiles: decode-sized blocks stream the weights (wide k-tiles, deep pipelines); large blocks are
-    compute tiles. Those over ~200 KB of shared memory are left out (they do not build)."""
+def tiles(block_m: int, operands: int) -> list[GemmTile]:
+    """Candidate tiles of a GEMM that loads `operands` weight tiles per step (gate/up: 2, down: 1): decode-sized
+    blocks stream the weights (wide k-tiles, deep pipelines); large blocks are compute tiles. Those over ~200 KB
+    of shared memory are left out (they do not build)."""
     if block_m <= 32:
-        grid = itertools.product((32, 64, 128), (64, 128, 256), (4,), (3, 4, 5))
+        grid = itertools.product((32, 64, 128, 256), (64, 128, 256), (4,), (3, 4, 5))
     else:
         grid = itertools.product((64, 128, 256), (32, 64, 128), (4, 8), (3, 4))
-    out = []
-    for bn, bk, warps, stages in grid:
-        if (block_m * bk + 2 * bk * bn) * 2 * stages <= 200 * 1024:  # gate/up: x tile + gate and up tiles
-            out.append(GemmTile(bn, bk, warps, stages))
-    return out
+    return [GemmTile(bn, bk, warps, stages) for bn, bk, warps, stages in grid
+            if (block_m * bk + operands * bk * bn) * 2 * stages <= 200 * 1024]
 
 
 def _try(fn):
@@ -82,13 +80,13 @@ def sweep_block(x, logits, weights, ids, w13, w2, k: int, block_m: int):
     """The best tile of each GEMM on the layout of `block_m`-row blocks, then the whole layer with them:
     (layer seconds, config, gate_up seconds, down seconds, blocks in the layout)."""
     layout = moe_align(ids, w13[0].shape[0], block_m)
-    cands = tiles(block_m)
+    up_tiles, down_tiles = tiles(block_m, 2), tiles(block_m, 1)
     with ThreadPoolExecutor(16) as pool:  # compile side by side (the compiler runs in subprocesses)
-        list(pool.map(lambda t: _try(lambda: moe_gate_up(x, w13[0], layout, k, t)), cands))
-        h = moe_gate_up(x, w13[0], layout, k, cands[0])
-        list(pool.map(lambda t: _try(lambda: moe_down(h, w2[0], layout, weights, t)), cands))
-    gu = {t: _seconds(lambda t=t: [moe_gate_up(x, w, layout, k, t) for w in w13], len(w13)) for t in cands}
-    dn = {t: _seconds(lambda t=t: [moe_down(h, w, layout, weights, t) for w in w2], len(w2)) for t in cands}
+        list(pool.map(lambda t: _try(lambda: moe_gate_up(x, w13[0], layout, k, t)), up_tiles))
+        h = moe_gate_up(x, w13[0], layout, k, up_tiles[0])
+        list(pool.map(lambda t: _try(lambda: moe_down(h, w2[0], layout, weights, t)), down_tiles))
+    gu = {t: _seconds(lambda t=t: [moe_gate_up(x, w, layout, k, t) for w in w13], len(w13)) for t in up_tiles}
+    dn = {t: _seconds(lambda t=t: [moe_down(h, w, layout, weights, t) for w in w2], len(w2)) for t in down_tiles}
     cfg = MoEConfig(block_m, min(gu, key=gu.get), min(dn, key=dn.get))
     return layer_seconds(x, logits, w13, w2, k, cfg), cfg, gu[cfg.gate_up], dn[cfg.down], layout.block_expert.numel()
 

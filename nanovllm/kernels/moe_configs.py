@@ -69,11 +69,12 @@ def _c(block_m, up, down) -> MoEConfig:
 # Untuned Hopper starting points (to be replaced by `kernel_bench.py moe` on an H200): up to ~16 rows per expert
 # (128 tokens at E=128, k=8), 16-row blocks stream the weights with 4-5 stages; up to ~32 rows per expert
 # (512 tokens: the decode and mixed-step graphs), 32-row blocks, so that an expert's tile is read once; from
-# there 64-row blocks for wgmma.
+# there 64-row blocks for wgmma. The down projection's reduction is short (I = 768): wide tiles give each
+# program more of the weight to stream per pipeline fill.
 DEFAULT_BUCKETS: tuple[tuple[int, MoEConfig], ...] = (
-    (16, _c(16, (32, 128, 4, 5), (32, 128, 4, 5))),
-    (128, _c(16, (64, 128, 4, 4), (64, 128, 4, 4))),
-    (512, _c(32, (64, 128, 4, 4), (64, 128, 4, 4))),
+    (16, _c(16, (32, 128, 4, 5), (64, 128, 4, 5))),
+    (128, _c(16, (64, 128, 4, 4), (128, 128, 4, 4))),
+    (512, _c(32, (64, 128, 4, 4), (128, 128, 4, 4))),
     (1 << 30, _c(64, (128, 64, 8, 3), (128, 64, 8, 3))),
 )
 
