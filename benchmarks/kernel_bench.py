@@ -10,8 +10,8 @@ pair; the best block_m wins. Everything runs in CUDA graphs that cycle over --la
 layer's 1.2 GB already exceeds L2; the copies keep a replay from finding the last one's tiles there), as the
 decode graphs do. The winner is checked against the torch reference (``fused_moe_ref``, M <= 1024) or the
 current table's config. Prints per M: microseconds, achieved TB/s (the experts touched + activations) and
-TFLOP/s, the current table's time, and at the end the measured table in ``nanovllm/kernels/moe_configs.py``'s
-form, to paste there as MOE_CONFIGS[(E, H, I)].
+TFLOP/s, the current table's time, and at the end the measured table as an entry of ``MOE_CONFIGS`` in
+``nanovllm/kernels/moe_configs.py``, to paste there.
 """
 from __future__ import annotations
 
@@ -148,13 +148,14 @@ def print_table(table: list[tuple[int, MoEConfig]], key: tuple[int, int, int], t
         else:
             buckets.append((M, cfg))
     buckets[-1] = (1 << 30, buckets[-1][1])
-    print(f"\n# measured on {torch.cuda.get_device_name()} by benchmarks/kernel_bench.py moe --tp {tp}")
-    print(f"MOE_CONFIGS[{key}] = (")
+    print("\n# an entry of MOE_CONFIGS in nanovllm/kernels/moe_configs.py")
+    print(f"    # measured on {torch.cuda.get_device_name()} by benchmarks/kernel_bench.py moe --tp {tp}")
+    print(f"    {key}: (")
     for M, c in buckets:
         up, dn = c.gate_up, c.down
-        print(f"    ({M}, _c({c.block_m}, ({up.block_n}, {up.block_k}, {up.num_warps}, {up.num_stages}), "
+        print(f"        ({M}, _c({c.block_m}, ({up.block_n}, {up.block_k}, {up.num_warps}, {up.num_stages}), "
               f"({dn.block_n}, {dn.block_k}, {dn.num_warps}, {dn.num_stages}))),")
-    print(")")
+    print("    ),")
 
 
 def main(argv=None):
