@@ -147,7 +147,7 @@ def moe_gate_up(x: torch.Tensor, w13: torch.Tensor, layout: MoELayout, top_k: in
     _check_operands("moe_gate_up", x, w13)
     E, two_i, H = w13.shape
     inter = two_i // 2
-    tile = tile.fit(inter, H)
+    tile = tile.fit(inter, H, x.element_size())
     nb = layout.block_expert.numel()
     out = torch.empty(nb * layout.block_m, inter, dtype=x.dtype, device=x.device)
     if nb:
@@ -166,7 +166,7 @@ def moe_down(inter: torch.Tensor, w2: torch.Tensor, layout: MoELayout, weights: 
     if weights.dtype != torch.float32 or not weights.is_contiguous():
         raise ValueError(f"moe_down: weights must be contiguous float32, got {weights.dtype} {tuple(weights.stride())}")
     E, H, K = w2.shape
-    tile = tile.fit(H, K)
+    tile = tile.fit(H, K, inter.element_size())
     nb = layout.block_expert.numel()
     out = torch.empty(weights.numel(), H, dtype=inter.dtype, device=inter.device)
     if nb:

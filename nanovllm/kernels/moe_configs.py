@@ -37,9 +37,12 @@ class GemmTile:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"GemmTile.{name} must be a positive int, got {v!r}")
 
-    def fit(self, n: int, k: int) -> GemmTile:
-        """This tile shrunk to an (n outputs, k reduction) problem smaller than it (tiny test models)."""
-        return GemmTile(min(self.block_n, max(16, next_pow2(n))), min(self.block_k, max(16, next_pow2(k))),
+    def fit(self, n: int, k: int, itemsize: int = 2) -> GemmTile:
+        """This tile shrunk to an (n outputs, k reduction) problem smaller than it (tiny test models), and for
+        4-byte operands (float32) to half the k-tile: the shared memory of the 2-byte (bf16) tiles the table
+        holds."""
+        bk = self.block_k // 2 if itemsize > 2 else self.block_k
+        return GemmTile(min(self.block_n, max(16, next_pow2(n))), max(16, min(bk, next_pow2(k))),
                         self.num_warps, self.num_stages)
 
     def __str__(self) -> str:

@@ -130,7 +130,8 @@ def check_moe(dt: str) -> None:
     build(moe._combine_kernel, {"P": f"*{dt}", "OUT": f"*{dt}"}, dict(TOP_K=8, BLOCK_H=1024), num_warps=4)
     ptrs = {**i32, "X": f"*{dt}", "W": f"*{dt}", "OUT": f"*{dt}", "A": f"*{dt}", "TOPW": "*fp32"}
     for cfg in dict.fromkeys(c for _, c in DEFAULT_BUCKETS):
-        for fn, tile in ((moe._gate_up_kernel, cfg.gate_up), (moe._down_kernel, cfg.down)):
+        for fn, tile in ((moe._gate_up_kernel, cfg.gate_up.fit(768, 2048, DTYPES[dt].itemsize)),
+                         (moe._down_kernel, cfg.down.fit(2048, 768, DTYPES[dt].itemsize))):
             consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=True,
                           UPCAST=False, PRECISION="ieee" if dt == "fp32" else None)
             if fn is moe._gate_up_kernel:

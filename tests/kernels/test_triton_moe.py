@@ -164,6 +164,7 @@ def test_config_table_lookup(device):
     assert moe_config(10 ** 6, 128, 2048, 768) is DEFAULT_BUCKETS[-1][1]
     assert [moe_config(n, 8, 64, 32).block_m for n in (16, 17, 128, 129, 512, 513)] == [16, 16, 16, 32, 32, 64]
     assert GemmTile(128, 256).fit(32, 48) == GemmTile(32, 64)
+    assert GemmTile(128, 256).fit(1024, 2048, itemsize=4) == GemmTile(128, 128)  # float32: bf16's shared memory
     with pytest.raises(ValueError, match="block_n"):
         GemmTile(24, 64)
     with pytest.raises(ValueError, match="block_m"):
