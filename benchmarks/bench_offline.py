@@ -2,11 +2,12 @@
 
     python benchmarks/bench_offline.py --model benchmarks/models/qwen3-0.6b --load-format dummy
 
-Prints output tok/s, total time, achieved memory bandwidth (weights once per step + every scheduled
-sequence's KV), peak GPU memory and the startup breakdown, and on NVIDIA GPUs the run's energy, average power
-and median SM clock (an 8B run on one H200 runs at its 700 W cap, so its speed follows the clock each GPU holds
-there). --json appends the numbers as one JSON line; --step-log writes each step's wall time and rows;
---gpu-idle reports how long each GPU sat idle between steps. Warm-up (a short generate) is excluded.
+Prints output tok/s, total time, achieved memory bandwidth (the weights each step reads + every scheduled
+sequence's KV; over the run, and over the pure decode steps), peak GPU memory and the startup breakdown, and on
+NVIDIA GPUs the run's energy, average power and median SM clock (an 8B run on one H200 runs at its 700 W cap, so
+its speed follows the clock each GPU holds there). --json appends the numbers as one JSON line; --step-log writes
+each step's wall time and rows; --gpu-idle reports how long each GPU sat idle between steps. Warm-up (a short
+generate) is excluded.
 """
 from __future__ import annotations
 
@@ -32,11 +33,21 @@ from nanovllm.engine import llm_engine as le  # noqa: E402
 from nanovllm.engine.step_timer import ENV as STEP_TIMING_ENV  # noqa: E402
 
 
-def model_bytes(m, itemsize: int) -> int:
-    """Bytes of weights a forward pass reads (embedding rows are gathered, so only the LM head counts)."""
+def experts_read(m, tokens: int) -> float:
+    """Experts one MoE layer reads in a step of `tokens` tokens, expected under uniform routing:
+    E (1 - (1 - k/E)^tokens) (Qwen3-30B-A3B: 8 of 128 at one token, all but 1e-5 of them at 256)."""
+    return m.num_experts * (1 - (1 - m.num_experts_per_tok / m.num_experts) ** tokens)
+
+
+def model_bytes(m, itemsize: int, tokens: int = 1) -> float:
+    """Bytes of weights a forward pass of `tokens` tokens reads (embedding rows are gathered, so only the LM head
+    counts; an MoE layer reads its router, shared expert and the experts its tokens are routed to)."""
     d, q, kv = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
-    per_layer = d * (q + 2 * kv) + q * d + 3 * d * m.intermediate_size + 2 * d + 2 * m.head_dim
-    return itemsize * (m.num_layers * per_layer + m.vocab_size * d + d)
+    per_layer = d * (q + 2 * kv) + q * d + 2 * d + 2 * m.head_dim
+    expert = 3 * d * m.moe_intermediate_size
+    mlp = sum(m.mlp_params(i) - (m.num_experts - experts_read(m, tokens)) * expert if m.is_moe_layer(i)
+              else 3 * d * m.intermediate_size for i in range(m.num_layers))
+    return itemsize * (m.num_layers * per_layer + mlp + m.vocab_size * d + d)
 
 
 class StepCounter:
@@ -132,7 +143,12 @@ def main(argv=None) -> dict:
     if n_out != sum(max_tokens):
         raise SystemExit(f"expected {sum(max_tokens)} output tokens, got {n_out}")
     n_steps = len(steps.rows)
-    moved = n_steps * model_bytes(mcfg, itemsize) + sum(r[3] for r in steps.rows) * kv_per_token
+    moved = sum(model_bytes(mcfg, itemsize, r[2]) + r[3] * kv_per_token for r in steps.rows)
+    # the pure decode steps alone: bytes they read over their wall time (engine.step, which under async
+    # scheduling is the step's share of the run)
+    decode = [r for r in steps.rows if r[4]]
+    decode_ms = sum(r[0] for r in decode)
+    decode_bytes = sum(model_bytes(mcfg, itemsize, r[2]) + r[3] * kv_per_token for r in decode)
     seconds = lambda name: round(getattr(runner, name, 0.0), 2)  # noqa: E731  (a runner may not record it)
     res = {
         "label": ns.label, "model": os.path.basename(os.path.normpath(ns.model)), "arch": mcfg.architecture,
@@ -142,6 +158,7 @@ def main(argv=None) -> dict:
         "elapsed_s": round(elapsed, 3), "output_tok_s": round(n_out / elapsed, 1),
         "total_tok_s": round((n_out + sum(map(len, prompts))) / elapsed, 1),
         "steps": n_steps, "achieved_GB_s": round(moved / elapsed / 1e9, 1),
+        "decode_steps": len(decode), "decode_GB_s": round(decode_bytes / decode_ms / 1e6, 1) if decode_ms else None,
         "peak_gpu_mem_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         "startup_s": round(startup, 2), "load_s": seconds("load_seconds"), "kv_sizing_s": seconds("kv_seconds"),
         "gemm_plan_s": seconds("gemm_plan_seconds"), "cuda_graph_capture_s": seconds("capture_seconds"),
@@ -152,7 +169,8 @@ def main(argv=None) -> dict:
         res.update(power.summary())
         res["J_per_output_token"] = round(res["energy_J"] / n_out, 4)
     print(f"{res['model']}: {n_out} tokens in {elapsed:.2f}s = {res['output_tok_s']:.0f} output tok/s | "
-          f"{res['achieved_GB_s']} GB/s over {n_steps} steps | peak {res['peak_gpu_mem_GiB']} GiB | "
+          f"{res['achieved_GB_s']} GB/s over {n_steps} steps ({res['decode_GB_s']} GB/s in the "
+          f"{len(decode)} decode steps) | peak {res['peak_gpu_mem_GiB']} GiB | "
           f"startup {startup:.1f}s (model {res['load_s']}s, KV sizing {res['kv_sizing_s']}s, "
           f"GEMM plan {res['gemm_plan_s']}s, graphs {res['cuda_graph_capture_s']}s)")
     if power is not None:

@@ -2,6 +2,7 @@
 
     python benchmarks/train_tiny.py OUT_DIR                     # the parity tests' architecture, 1000 steps, GPU
     python benchmarks/train_tiny.py OUT_DIR --device cpu --small --steps 300 --seq-len 256 --batch-size 8
+    python benchmarks/train_tiny.py OUT_DIR --arch qwen3_moe   # the same with 8 experts, top-2 (MOE_ARCH)
 
 A random checkpoint (nanovllm.utils.tiny_model) has near-tied logits almost everywhere, so in bf16 two correct
 implementations disagree on a few percent of greedy tokens. Real models predict confidently. This script builds
@@ -44,6 +45,8 @@ from nanovllm.utils.tiny_model import build_tiny_checkpoint  # noqa: E402
 # The architecture of the GPU parity tests (tests/gpu: head_dim 128, GQA 4:1) and a small one for CPU runs.
 ARCH = dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2, head_dim=128, intermediate_size=1024)
 SMALL_ARCH = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=256)
+# --arch qwen3_moe: a mixture of experts on top of either (layer 0 dense, the others 8 experts, top-2)
+MOE_ARCH = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=512, mlp_only_layers=(0,))
 VOCAB = 480                       # token ids of the task: [0, VOCAB), all ordinary tokenizer ids
 MIN_PERIOD, MAX_PERIOD = 4, 48    # segment length L
 # Trained sequences cover copy_prompts(max_len=600) plus 32 generated tokens: no position is beyond training.
@@ -129,8 +132,9 @@ def copy_accuracy(model, device, *, num_seqs: int = 64, seq_len: int = SEQ_LEN, 
 
 def train_copy_checkpoint(path: str, steps: int = STEPS, device: str = "cuda", seed: int = 0, *,
                           batch_size: int = 32, seq_len: int = SEQ_LEN, lr: float = LR, warmup: int = 50,
-                          weight_decay: float = 0.01, log_every: int = 100, **arch) -> str:
-    """Build a tiny Qwen3 checkpoint at ``path``, train it on the periodic-copy task, save it; return the path.
+                          weight_decay: float = 0.01, log_every: int = 100, model_arch: str = "qwen3", **arch) -> str:
+    """Build a tiny Qwen3 checkpoint (model_arch="qwen3_moe": Qwen3-MoE, with MOE_ARCH's fields in ``arch``) at
+    ``path``, train it on the periodic-copy task, save it; return the path.
 
     ``arch`` overrides ARCH (and may pass any other build_tiny_checkpoint argument, e.g. ``init_std`` or
     ``overwrite``). The checkpoint is saved in float32 next to the tokenizer build_tiny_checkpoint wrote,
@@ -140,7 +144,7 @@ def train_copy_checkpoint(path: str, steps: int = STEPS, device: str = "cuda", s
     from transformers import AutoModelForCausalLM
 
     kw = {**ARCH, "init_std": INIT_STD, "seed": seed, **arch}
-    path = build_tiny_checkpoint(path, "qwen3", **kw)
+    path = build_tiny_checkpoint(path, model_arch, **kw)
     torch.manual_seed(seed)
     # transformers 5 calls the argument `dtype` (torch_dtype is deprecated there); older versions torch_dtype.
     dtype_kw = "dtype" if "dtype" in inspect.signature(AutoModelForCausalLM.from_pretrained).parameters \
@@ -263,10 +267,12 @@ def main():
     ap.add_argument("--lr", type=float, default=LR)
     ap.add_argument("--small", action="store_true", help=f"small architecture for CPU runs: {SMALL_ARCH}")
     ap.add_argument("--overwrite", action="store_true")
+    ap.add_argument("--arch", choices=("qwen3", "qwen3_moe"), default="qwen3",
+                    help=f"qwen3_moe: the architecture plus {MOE_ARCH}")
     ns = ap.parse_args()
-    arch = SMALL_ARCH if ns.small else ARCH
+    arch = {**(SMALL_ARCH if ns.small else ARCH), **(MOE_ARCH if ns.arch == "qwen3_moe" else {})}
     path = train_copy_checkpoint(ns.out_dir, ns.steps, ns.device, ns.seed, batch_size=ns.batch_size,
-                                 seq_len=ns.seq_len, lr=ns.lr, overwrite=ns.overwrite, **arch)
+                                 seq_len=ns.seq_len, lr=ns.lr, overwrite=ns.overwrite, model_arch=ns.arch, **arch)
     print(f"saved {path}")
 
 

@@ -80,9 +80,10 @@ class TPGroup:
 def check_tp_supported(tp_size: int, model_cfg, device: torch.device) -> None:
     """Raise ValueError if this model can't be split over `tp_size` ranks on `device`.
 
-    Query heads, the MLP's intermediate size are split evenly; key/value heads are split evenly, or,
-    when there are fewer of them than ranks, replicated (so tp_size must be a multiple of them). The
-    vocabulary is padded to a multiple of tp_size, so any size works. Each rank needs its own GPU."""
+    Query heads, the dense MLP's intermediate size and each expert's (moe_intermediate_size, and Qwen2-MoE's
+    shared expert's) are split evenly; key/value heads are split evenly, or, when there are fewer of them than
+    ranks, replicated (so tp_size must be a multiple of them). The vocabulary is padded to a multiple of
+    tp_size, so any size works. Each rank needs its own GPU."""
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
         raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp_size!r}")
     if tp_size == 1:
@@ -97,9 +98,14 @@ def check_tp_supported(tp_size: int, model_cfg, device: torch.device) -> None:
     elif tp_size % kv_heads:
         raise ValueError(f"num_key_value_heads={kv_heads} is fewer than tensor_parallel_size={tp_size} and "
                          f"does not divide it, so the key/value heads can't be replicated evenly")
-    if model_cfg.intermediate_size % tp_size:
-        raise ValueError(f"intermediate_size={model_cfg.intermediate_size} is not divisible by "
-                         f"tensor_parallel_size={tp_size}")
+    sparse = [model_cfg.is_moe_layer(i) for i in range(model_cfg.num_layers)]
+    sizes = [("moe_intermediate_size", model_cfg.moe_intermediate_size),
+             ("shared_expert_intermediate_size", model_cfg.shared_expert_intermediate_size)] if any(sparse) else []
+    if not all(sparse):  # a dense layer (every layer of a dense model)
+        sizes.append(("intermediate_size", model_cfg.intermediate_size))
+    for name, n in sizes:
+        if n % tp_size:
+            raise ValueError(f"{name}={n} is not divisible by tensor_parallel_size={tp_size}")
 
     import torch.distributed as dist
     if not dist.is_available():

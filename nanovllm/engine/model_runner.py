@@ -94,7 +94,7 @@ class ModelRunner:
             torch.set_default_dtype(prev)
         # buffers computed in float32 (RoPE tables) stay float32
         if cfg.args.load_format == "dummy":
-            init_dummy(model, cfg.args.seed + self.tp.rank)
+            init_dummy(model, cfg.args.seed, self.tp.rank)
         else:
             load_safetensors(model, cfg.model_dir)
         process_weights_after_loading(model)

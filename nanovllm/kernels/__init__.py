@@ -19,6 +19,10 @@ Public kernels (each mirrors a torch reference elsewhere in the package):
 * ``qkv_norm_rope_store(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps, k_cache, v_cache,
   slot_mapping, num_heads, num_kv_heads, head_dim, q_out=None)``          -> (T, H, D) q; k/v into the cache
   (QK-norm + RoPE + KV store in one launch; reference ``nanovllm.layers.fused_qkv_ref``)
+* ``fused_moe(x, router_logits, w13, w2, top_k, renormalize, out=None, *, config=None)`` -> (T, H) the
+  mixture-of-experts feed-forward (routing, expert-sorted layout, grouped GEMMs, combine; reference
+  ``nanovllm.layers.moe_ref.fused_moe_ref``); ``fused_moe_compile(w13, w2, top_k, renormalize)`` compiles every
+  kernel variant its tile table can pick for that weight shape
 
 ``nanovllm.layers.ops.triton_ops()`` bundles them for the layers, which pick them when the model is built.
 """
@@ -32,7 +36,7 @@ __all__ = [
     "triton_available",
     "store_kvcache", "paged_prefill_attention", "paged_decode_attention", "decode_workspace_numel",
     "rms_norm", "add_rms_norm", "silu_and_mul", "apply_rotary", "sample", "sample_partial",
-    "qkv_norm_rope_store",
+    "qkv_norm_rope_store", "fused_moe", "fused_moe_compile",
 ]
 
 # public name -> submodule that defines it
@@ -48,6 +52,8 @@ _LAZY = {
     "sample": "sampling",
     "sample_partial": "sampling",
     "qkv_norm_rope_store": "fused_qkv",
+    "fused_moe": "moe",
+    "fused_moe_compile": "moe",
 }
 
 @functools.cache

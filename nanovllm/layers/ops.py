@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from nanovllm.layers.activation import silu_and_mul_ref
 from nanovllm.layers.layernorm import add_rms_norm_ref, rms_norm_ref
+from nanovllm.layers.moe_ref import fused_moe_ref
 from nanovllm.layers.rotary import apply_rotary_ref
 
 
@@ -24,6 +25,10 @@ class Ops:
     # the sampler's fused kernels (nanovllm.kernels.sample / sample_partial); None: its torch paths
     sample: Callable | None = None
     sample_partial: Callable | None = None
+    # the mixture-of-experts feed-forward: (x, router_logits, w13, w2, top_k, renormalize, out=None) -> (T, H)
+    fused_moe: Callable = fused_moe_ref
+    # (w13, w2, top_k, renormalize) -> compiles every kernel variant fused_moe may pick for those weights; None: none
+    fused_moe_compile: Callable | None = None
 
     @property
     def fused(self) -> bool:
@@ -39,7 +44,8 @@ def triton_ops() -> Ops:
     from nanovllm import kernels
     return Ops("triton", kernels.rms_norm, kernels.add_rms_norm, kernels.apply_rotary, kernels.silu_and_mul,
                qkv_norm_rope_store=kernels.qkv_norm_rope_store, sample=kernels.sample,
-               sample_partial=kernels.sample_partial)
+               sample_partial=kernels.sample_partial, fused_moe=kernels.fused_moe,
+               fused_moe_compile=kernels.fused_moe_compile)
 
 
 def select_ops(attention_backend: str) -> Ops:

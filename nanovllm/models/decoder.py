@@ -1,15 +1,19 @@
-"""The Llama-style decoder shared by Llama 3.x, Qwen2/2.5 and Qwen3.
+"""The Llama-style decoder shared by Llama 3.x, Qwen2/2.5, Qwen3 and their mixtures of experts (Qwen3-MoE,
+Qwen2-MoE, Mixtral).
 
-The three differ only in small switches: Qwen2 has q/k/v biases (and no o_proj bias), Qwen3 normalizes
-each query and key head (q_norm / k_norm) before RoPE, Llama 3 scales RoPE frequencies. Every layer is
+They differ only in small switches: Qwen2 has q/k/v biases (and no o_proj bias), Qwen3 normalizes each query
+and key head (q_norm / k_norm) before RoPE, Llama 3 scales RoPE frequencies; the MoE models replace the dense
+MLP of their sparse layers by `SparseMoeBlock` (`make_mlp` picks per layer from the config). Every layer is
 built from one `LayerContext`: its tensor-parallel group (size 1 = no sharding), its kernels, the attention
-backend and the linear method. `make_mlp` is where a layer's feed-forward block is chosen (dense today).
+backend and the linear and MoE methods.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.attention.backend import AttentionMetadata, OutputRows
@@ -19,7 +23,9 @@ from nanovllm.layers.context import LayerContext
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.moe import FusedMoE, Router
 from nanovllm.layers.rotary import RotaryEmbedding
+from nanovllm.models.loader import packed_target
 
 
 @dataclass(frozen=True)
@@ -27,6 +33,10 @@ class DecoderVariant:
     qk_norm: bool = False          # Qwen3
     qkv_bias: bool | None = None   # None: config's attention_bias
     o_bias: bool | None = None     # None: config's attention_bias
+    # checkpoint names: (old, new) substrings replaced first (Mixtral's block_sparse_moe is our mlp), and an
+    # expert's gate, up and down projections
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
 
 
 class DecoderAttention(nn.Module):
@@ -78,27 +88,55 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    """The dense SwiGLU feed-forward block."""
+    """The dense SwiGLU feed-forward block (intermediate_size None: the config's)."""
 
-    def __init__(self, cfg: ModelConfig, ctx: LayerContext):
+    def __init__(self, cfg: ModelConfig, ctx: LayerContext, intermediate_size: int | None = None):
         super().__init__()
         if cfg.hidden_act != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only 'silu')")
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, cfg.mlp_bias,
-                                                       ctx.tp, ctx.linear_method)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, ctx.tp,
-                                           ctx.linear_method)
+        inter = cfg.intermediate_size if intermediate_size is None else intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter] * 2, cfg.mlp_bias, ctx.tp,
+                                                       ctx.linear_method)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, ctx.tp, ctx.linear_method)
         self.act = ctx.ops.silu_and_mul
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)), reduce)
 
 
+class SparseMoeBlock(nn.Module):
+    """A mixture-of-experts feed-forward block: the router (``gate``, replicated, in the model's dtype) scores
+    every expert, each token runs through its top-k (``experts``, a `FusedMoE`); Qwen2-MoE adds an always-on
+    ``shared_expert`` scaled by sigmoid(``shared_expert_gate`` x)."""
+
+    def __init__(self, cfg: ModelConfig, ctx: LayerContext):
+        super().__init__()
+        self.tp = ctx.tp
+        self.gate = Router(cfg.num_experts, cfg.hidden_size)
+        self.experts = FusedMoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
+                                cfg.norm_topk_prob, ctx.tp, ctx.ops, ctx.moe_method)
+        self.shared_expert = self.shared_expert_gate = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = DecoderMLP(cfg, ctx, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = Router(1, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        logits = F.linear(x, self.gate.weight)                                   # (T, E)
+        if self.shared_expert is None:
+            # the experts' sum straight into the reducer's buffer when there is one (no copy to reduce it)
+            out = self.experts(x, logits, self.tp.reduce_buffer((x.shape[0], x.shape[1]), x.dtype))
+        else:  # one reducer buffer per block (as a dense MLP): the shared expert's, the routed sum added in place
+            routed = self.experts(x, logits)
+            out = self.shared_expert(x, reduce=False)
+            out.mul_(torch.sigmoid(F.linear(x, self.shared_expert_gate.weight))).add_(routed)
+        return self.tp.all_reduce(out) if reduce else out
+
+
 def make_mlp(cfg: ModelConfig, layer_idx: int, ctx: LayerContext) -> nn.Module:
     """Layer `layer_idx`'s feed-forward block: a module with ``forward(x, reduce) -> (T, hidden)`` partial sums
-    (``reduce=False``: this rank's, for ``TPGroup.all_reduce_add_norm``). Every layer is dense today; a
-    mixture-of-experts block would be picked here from the config (per-layer sparsity)."""
-    return DecoderMLP(cfg, ctx)
+    (``reduce=False``: this rank's, for ``TPGroup.all_reduce_add_norm``): the mixture of experts for the sparse
+    layers of an MoE model (``ModelConfig.is_moe_layer``), the dense MLP otherwise."""
+    return SparseMoeBlock(cfg, ctx) if cfg.is_moe_layer(layer_idx) else DecoderMLP(cfg, ctx)
 
 
 class DecoderLayer(nn.Module):
@@ -145,6 +183,9 @@ class DecoderModel(nn.Module):
         return hidden
 
 
+_EXPERT_WEIGHT = re.compile(r"\.experts\.(\d+)\.([A-Za-z0-9_]+)\.weight$")
+
+
 class DecoderForCausalLM(nn.Module):
     # checkpoint name -> (fused parameter name, shard id)
     packed_modules_mapping = {
@@ -155,6 +196,7 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, variant: DecoderVariant, ctx: LayerContext):
         super().__init__()
         self.config = cfg
+        self.variant = variant
         self.model = DecoderModel(cfg, variant, ctx)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx.tp)
         if cfg.tie_word_embeddings:
@@ -163,6 +205,17 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 out_rows: OutputRows | None = None) -> torch.Tensor:
         return self.model(input_ids, positions, meta, out_rows)
+
+    def checkpoint_target(self, name: str) -> tuple[str, object]:
+        """A checkpoint tensor's (parameter name, shard id): an expert's projection goes to the stacked ``w13`` /
+        ``w2`` of its layer with shard (expert, "gate" | "up" | "down"); the rest as packed_modules_mapping says."""
+        for old, new in self.variant.checkpoint_renames:
+            name = name.replace(old, new)
+        m = _EXPERT_WEIGHT.search(name)
+        if m and m.group(2) in self.variant.expert_names:
+            shard = ("gate", "up", "down")[self.variant.expert_names.index(m.group(2))]
+            return f"{name[:m.start()]}.experts.{'w2' if shard == 'down' else 'w13'}", (int(m.group(1)), shard)
+        return packed_target(name, self.packed_modules_mapping)
 
     def compute_logits(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor:
         """(N, vocab) logits in the model's dtype; with gather=False this rank's (N, vocab shard) slice only."""

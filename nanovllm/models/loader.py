@@ -28,7 +28,9 @@ def checkpoint_files(model_dir: str) -> list[str]:
     return files
 
 
-def _target(name: str, mapping: dict) -> tuple[str, object]:
+def packed_target(name: str, mapping: dict) -> tuple[str, object]:
+    """(parameter name, shard id) of a checkpoint tensor under a ``packed_modules_mapping`` ({checkpoint module
+    name: (fused module name, shard id)}); (name, None) when no entry matches."""
     for ckpt_part, (fused, shard) in mapping.items():
         key = f".{ckpt_part}."
         if key in name:
@@ -37,11 +39,15 @@ def _target(name: str, mapping: dict) -> tuple[str, object]:
 
 
 def load_safetensors(model: nn.Module, model_dir: str) -> None:
-    """Copy every checkpoint tensor into its (possibly fused, possibly sharded) parameter."""
+    """Copy every checkpoint tensor into its (possibly fused, possibly sharded) parameter: the one the model's
+    ``checkpoint_target(name) -> (parameter name, shard id)`` names, or else its ``packed_modules_mapping``.
+    A parameter with ``shard_ids`` (stacked experts) must receive every one of them."""
     params = dict(model.named_parameters(remove_duplicate=False))
     mapping = getattr(model, "packed_modules_mapping", {})
+    target_of = getattr(model, "checkpoint_target", None) or (lambda n: packed_target(n, mapping))
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     seen: set[str] = set()
+    shards: dict[str, set] = {}
     for path in checkpoint_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
@@ -49,7 +55,7 @@ def load_safetensors(model: nn.Module, model_dir: str) -> None:
                     continue
                 if tied and name == "lm_head.weight":
                     continue  # the head shares the embedding's parameter
-                target, shard = _target(name, mapping)
+                target, shard = target_of(name)
                 param = params.get(target)
                 if param is None:
                     raise ValueError(f"checkpoint tensor {name!r} in {os.path.basename(path)} has no matching "
@@ -64,28 +70,39 @@ def load_safetensors(model: nn.Module, model_dir: str) -> None:
                 else:
                     loader(param, tensor, shard)
                 seen.add(target)
+                shards.setdefault(target, set()).add(shard)
     missing = sorted(n for n in params if n not in seen and not (tied and n == "lm_head.weight"))
     if missing:
         raise ValueError(f"checkpoint in {model_dir!r} lacks weights for: {', '.join(missing[:8])}"
                          + (" ..." if len(missing) > 8 else ""))
+    for n, p in params.items():
+        lacking = sorted(getattr(p, "shard_ids", set()) - shards.get(n, set()))
+        if lacking:
+            raise ValueError(f"checkpoint in {model_dir!r} lacks {len(lacking)} part(s) of {n}, e.g. "
+                             f"{', '.join(map(str, lacking[:4]))}")
 
 
 @torch.no_grad()
-def init_dummy(model: nn.Module, seed: int) -> None:
-    """Random weights with a plausible scale (benchmarks without a checkpoint)."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+def init_dummy(model: nn.Module, seed: int, rank: int = 0) -> None:
+    """Random weights with a plausible scale (benchmarks without a checkpoint): N(0, 0.02) matrices (the stacked
+    experts and the routers too), norms 1, biases 0. A tensor-parallel rank draws its shards from seed + rank;
+    parameters marked ``replicated`` (a router) are drawn from `seed` alone, the same on every rank."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed + rank)
+    same = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.fill_(1.0)
         elif p.dim() == 1:
             p.zero_()
         else:
-            p.normal_(0.0, 0.02, generator=gen)
+            p.normal_(0.0, 0.02, generator=same if getattr(p, "replicated", False) else gen)
 
 
 def process_weights_after_loading(model: nn.Module) -> None:
-    """Let each linear layer's method repack or quantize the weights now in place (after either loader)."""
+    """Let each linear and MoE layer's method repack or quantize the weights now in place (after either loader)."""
     from nanovllm.layers.linear import LinearBase
+    from nanovllm.layers.moe import FusedMoE
     for m in model.modules():
-        if isinstance(m, LinearBase):
+        if isinstance(m, (LinearBase, FusedMoE)):
             m.method.process_weights_after_loading(m)

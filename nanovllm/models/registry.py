@@ -10,6 +10,11 @@ MODEL_REGISTRY: dict[str, DecoderVariant] = {
     "Qwen3ForCausalLM": DecoderVariant(qk_norm=True),
     "Qwen2ForCausalLM": DecoderVariant(qkv_bias=True, o_bias=False),
     "LlamaForCausalLM": DecoderVariant(),
+    # mixtures of experts (their sparse layers: models.decoder.SparseMoeBlock)
+    "Qwen3MoeForCausalLM": DecoderVariant(qk_norm=True),
+    "Qwen2MoeForCausalLM": DecoderVariant(o_bias=False),  # q/k/v bias: config's qkv_bias (default true)
+    "MixtralForCausalLM": DecoderVariant(checkpoint_renames=((".block_sparse_moe.", ".mlp."),),
+                                         expert_names=("w1", "w3", "w2")),
 }
 
 
@@ -24,7 +29,8 @@ def check_supported(cfg: ModelConfig) -> None:
         raise ValueError(f"num_attention_heads={cfg.num_heads} is not a multiple of "
                          f"num_key_value_heads={cfg.num_kv_heads}")
     rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # raises on an unknown scaling type
-    if cfg.raw.get("use_sliding_window") and cfg.raw.get("sliding_window"):
+    # (Mixtral has no use_sliding_window flag: a sliding_window is used when set)
+    if cfg.raw.get("sliding_window") and cfg.raw.get("use_sliding_window", cfg.architecture == "MixtralForCausalLM"):
         raise ValueError("sliding-window attention is not supported")
 
 

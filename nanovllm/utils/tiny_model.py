@@ -1,9 +1,10 @@
 """Tiny *random* Hugging Face checkpoints for tests and CPU demos.
 
 Nothing is downloaded: a byte-level BPE tokenizer is trained on a small
-built-in English corpus and a miniature Qwen3 / Qwen2 / Llama model is
-randomly initialised, then both are written with ``save_pretrained`` so that
-``transformers.AutoModelForCausalLM.from_pretrained(path)`` and
+built-in English corpus and a miniature Qwen3 / Qwen2 / Llama model (or a
+Qwen3-MoE / Qwen2-MoE / Mixtral mixture of experts, configs in
+``nanovllm.utils.tiny_configs``) is randomly initialised, then both are written
+with ``save_pretrained`` so that ``transformers.AutoModelForCausalLM.from_pretrained(path)`` and
 ``transformers.AutoTokenizer.from_pretrained(path)`` load them.  That lets the
 engine's outputs be compared token for token against transformers.
 
@@ -19,6 +20,8 @@ Design notes
 * Every RMSNorm weight is ``1 + 0.1 * randn`` rather than all ones, so a bug in
   norm handling (forgotten weight, wrong eps placement, q/k norm skipped...)
   changes the output.
+* MoE routers (``*.gate.weight``) are drawn with ``ROUTER_STD``, so routing is
+  decisive (a token's k-th expert scores well above its runner-up).
 * Qwen2 q/k/v projection biases are random and non-zero (transformers would
   initialise them to zero, hiding a forgotten bias).
 * The EOS (``<|endoftext|>``) row of the output projection is zeroed, so its
@@ -45,6 +48,7 @@ import tempfile
 import time
 import uuid
 
+from nanovllm.utils.tiny_configs import ARCH_CLASSES, MOE_ARCHS, make_config
 from nanovllm.utils.tiny_tokenizer import CHAT_TEMPLATE, EOS_TOKEN, IM_END, IM_START, build_hf_tokenizer
 
 __all__ = [
@@ -59,116 +63,14 @@ __all__ = [
     "CHAT_TEMPLATE",
 ]
 
-SUPPORTED_ARCHS = ("qwen3", "qwen2", "llama")
+SUPPORTED_ARCHS = tuple(ARCH_CLASSES)
 
 DEFAULT_INIT_STD = 0.3
 NORM_WEIGHT_STD = 0.1
+ROUTER_STD = 0.5  # MoE routers: logits std ~4 at hidden 64, so a token's top-k is far from its runner-up
 VOCAB_MULTIPLE = 64
 _FORMAT_VERSION = 1
 _MARKER_FILE = ".nanovllm_tiny_model.json"
-
-
-def _config_class(arch: str):
-    import transformers
-
-    names = {
-        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-        "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    }
-    cfg_name, model_name = names[arch]
-    return getattr(transformers, cfg_name), getattr(transformers, model_name), model_name
-
-
-def _init_params(cls) -> tuple[set[str], bool]:
-    """(parameter names of ``cls.__init__``, whether it also takes ``**kwargs``)."""
-    params = inspect.signature(cls.__init__).parameters
-    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    return set(params), var_kw
-
-
-def _uses_rope_parameters(cfg_cls) -> bool:
-    """transformers >= 5 configs take ``rope_parameters`` (with rope_theta inside)."""
-    names, _ = _init_params(cfg_cls)
-    if "rope_parameters" in names:
-        return True
-    try:
-        import transformers
-
-        return int(transformers.__version__.split(".")[0]) >= 5
-    except Exception:  # pragma: no cover
-        return False
-
-
-def _make_config(arch, *, vocab_size, hidden_size, num_layers, num_heads, num_kv_heads,
-                 head_dim, intermediate_size, max_position_embeddings,
-                 tie_word_embeddings, eos_id, init_std):
-    import torch
-
-    cfg_cls, model_cls, model_name = _config_class(arch)
-    kwargs = dict(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        hidden_act="silu",
-        max_position_embeddings=max_position_embeddings,
-        initializer_range=init_std,
-        rms_norm_eps=1e-6,
-        use_cache=True,
-        tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=eos_id,
-        eos_token_id=eos_id,
-        pad_token_id=eos_id,
-        attention_dropout=0.0,
-    )
-    if arch == "llama":
-        rope_theta = 500000.0
-        rope_scaling = {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": max(16, max_position_embeddings // 4),
-        }
-        kwargs.update(attention_bias=False, mlp_bias=False)
-    else:
-        rope_theta = 1000000.0
-        rope_scaling = None
-        kwargs.update(use_sliding_window=False, sliding_window=None, max_window_layers=num_layers)
-        if arch == "qwen3":
-            kwargs.update(attention_bias=False)
-
-    names, var_kw = _init_params(cfg_cls)
-    accepted = None if var_kw else names
-    if _uses_rope_parameters(cfg_cls):
-        # transformers >= 5: rope_theta lives inside rope_parameters.
-        rope = {"rope_type": "default"} if rope_scaling is None else dict(rope_scaling)
-        rope["rope_theta"] = rope_theta
-        kwargs["rope_parameters"] = rope
-    else:
-        kwargs["rope_theta"] = rope_theta
-        kwargs["rope_scaling"] = rope_scaling
-
-    extra = {}
-    if accepted is not None:
-        extra = {k: v for k, v in kwargs.items() if k not in accepted}
-        kwargs = {k: v for k, v in kwargs.items() if k in accepted}
-    config = cfg_cls(**kwargs)
-    for k, v in extra.items():
-        # e.g. head_dim for Qwen2Config in transformers 5 (read with getattr).
-        if k in ("head_dim",):
-            setattr(config, k, v)
-    config.architectures = [model_name]
-    # float32 checkpoint; the attribute name changed in transformers 5.
-    if hasattr(config, "dtype") or "dtype" in names:
-        config.dtype = torch.float32
-    else:
-        config.torch_dtype = torch.float32
-    return config, model_cls
 
 
 # ----------------------------------------------------------------------------
@@ -188,10 +90,12 @@ def _randomize_(model, *, seed: int, init_std: float, eos_id: int, arch: str):
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
             if p.ndim == 1 and name.endswith("norm.weight"):
                 p.copy_(1.0 + NORM_WEIGHT_STD * noise)
+            elif name.endswith(".gate.weight"):  # an MoE router
+                p.copy_(ROUTER_STD * noise)
             else:
                 # Linear / embedding weights and (Qwen2) q/k/v biases.
                 p.copy_(init_std * noise)
-        if arch == "qwen2":
+        if arch in ("qwen2", "qwen2_moe"):
             for name, p in params.items():
                 if name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")) and not torch.all(p != 0):
                     raise RuntimeError(f"qwen2 bias {name} has zero entries")
@@ -212,10 +116,15 @@ def _dir_is_nonempty(path: str) -> bool:
 def build_tiny_checkpoint(path, arch="qwen3", *, vocab_size=None, hidden_size=64, num_layers=2,
                           num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
                           max_position_embeddings=4096, tie_word_embeddings=True, seed=0,
-                          max_shard_size=None, init_std=None, overwrite=False) -> str:
+                          max_shard_size=None, init_std=None, overwrite=False, num_experts=8, num_experts_per_tok=2,
+                          moe_intermediate_size=32, mlp_only_layers=(0,), norm_topk_prob=None,
+                          shared_expert_intermediate_size=48) -> str:
     """Write a tiny random HF checkpoint (model + tokenizer) to ``path``.
 
-    Returns the absolute path.  ``arch`` is "qwen3", "qwen2" or "llama".
+    Returns the absolute path.  ``arch`` is one of SUPPORTED_ARCHS: "qwen3", "qwen2", "llama", or a mixture
+    of experts, "qwen3_moe" (norm_topk_prob True by default), "qwen2_moe" (a shared expert, norm_topk_prob False
+    by default) or "mixtral" (every layer sparse, experts ``moe_intermediate_size`` wide); the expert arguments
+    apply to those (mlp_only_layers: the dense layers of the Qwen ones).
     ``vocab_size`` defaults to the tokenizer size rounded up to a multiple of
     64 and must be >= the tokenizer size.  ``max_shard_size`` (e.g. "20KB")
     produces a sharded checkpoint with ``model.safetensors.index.json``.
@@ -226,8 +135,8 @@ def build_tiny_checkpoint(path, arch="qwen3", *, vocab_size=None, hidden_size=64
         raise ValueError(f"unknown tiny-model arch {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
     if num_heads % num_kv_heads != 0:
         raise ValueError("num_heads must be a multiple of num_kv_heads")
-    if arch == "qwen2" and head_dim * num_heads != hidden_size:
-        raise ValueError("qwen2 requires head_dim * num_heads == hidden_size")
+    if arch in ("qwen2", "qwen2_moe") and head_dim * num_heads != hidden_size:
+        raise ValueError(f"{arch} requires head_dim * num_heads == hidden_size")
     init_std = DEFAULT_INIT_STD if init_std is None else float(init_std)
 
     path = os.path.abspath(os.fspath(path))
@@ -248,11 +157,17 @@ def build_tiny_checkpoint(path, arch="qwen3", *, vocab_size=None, hidden_size=64
     elif vocab_size < tok_size:
         raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({tok_size} tokens)")
 
-    config, model_cls = _make_config(
+    moe = None
+    if arch in MOE_ARCHS:
+        moe = dict(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+                   moe_intermediate_size=moe_intermediate_size, mlp_only_layers=tuple(mlp_only_layers),
+                   norm_topk_prob=arch == "qwen3_moe" if norm_topk_prob is None else bool(norm_topk_prob),
+                   shared_expert_intermediate_size=shared_expert_intermediate_size)
+    config, model_cls = make_config(
         arch, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings, eos_id=eos_id, init_std=init_std,
+        tie_word_embeddings=tie_word_embeddings, eos_id=eos_id, init_std=init_std, moe=moe,
     )
 
     torch.manual_seed(seed)

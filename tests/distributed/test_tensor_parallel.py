@@ -33,6 +33,10 @@ CASES = {
     "llama": ("llama", {"tie_word_embeddings": False}, 2),
     # 1 KV head over 2 ranks: replicated
     "qwen3-kv1": ("qwen3", {"num_kv_heads": 1}, 2),
+    # mixtures of experts: each expert's intermediate dimension split (a dense layer too), the router replicated;
+    # Qwen2-MoE's shared expert and its gate
+    "qwen3_moe": ("qwen3_moe", {}, 2),
+    "qwen2_moe": ("qwen2_moe", {}, 2),
 }
 
 
@@ -246,6 +250,10 @@ def test_init_error_is_a_value_error_and_leaves_nothing(tiny_ckpt):
     assert {p.pid for p in multiprocessing.active_children()} <= before
 
 
+_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32}
+
+
 def _cfg(**kw) -> ModelConfig:
     base = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 512, "hidden_size": 64,
             "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -258,6 +266,10 @@ def _cfg(**kw) -> ModelConfig:
     (4, {"num_attention_heads": 12, "num_key_value_heads": 3}, "num_key_value_heads=3"),
     (4, {"num_attention_heads": 8, "num_key_value_heads": 6}, "num_key_value_heads=6"),
     (2, {"intermediate_size": 129}, "intermediate_size=129"),
+    (2, {**_MOE, "moe_intermediate_size": 33}, "moe_intermediate_size=33"),
+    (2, {**_MOE, "mlp_only_layers": [0], "intermediate_size": 129}, "intermediate_size=129"),
+    (2, {**_MOE, "architectures": ["Qwen2MoeForCausalLM"], "shared_expert_intermediate_size": 47},
+     "shared_expert_intermediate_size=47"),
 ])
 def test_check_tp_supported_rejects(tp, kw, match):
     import torch
@@ -271,6 +283,8 @@ def test_check_tp_supported_accepts_and_checks_devices():
     check_tp_supported(2, _cfg(), torch.device("cpu"))
     check_tp_supported(4, _cfg(), torch.device("cpu"))  # 2 KV heads replicated over 4 ranks
     check_tp_supported(8, _cfg(num_attention_heads=8, num_key_value_heads=1), torch.device("cpu"))
+    # every layer sparse: the unused dense intermediate_size need not split
+    check_tp_supported(2, _cfg(**_MOE, intermediate_size=129), torch.device("cpu"))
     with pytest.raises(ValueError, match="cuda:1"):
         check_tp_supported(2, _cfg(), torch.device("cuda", 1))
     if torch.cuda.device_count() < 64:

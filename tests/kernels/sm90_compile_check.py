@@ -31,7 +31,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from nanovllm.kernels import activation, ar_norm, fused_qkv, kvcache, norm, rotary  # noqa: E402
+from nanovllm.kernels import activation, ar_norm, fused_qkv, kvcache, moe, moe_routing, norm, rotary  # noqa: E402
 from nanovllm.kernels import decode_attention as decode  # noqa: E402
 from nanovllm.kernels import prefill_attention as prefill  # noqa: E402
 
@@ -55,11 +55,12 @@ def _resources(cubin: bytes) -> str:
 def build(fn, types: dict, consts: dict, **options) -> None:
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if sig[n] != "constexpr" and (sig[n].startswith("*") or n.startswith("stride") or n in ("N", "inter"))}
+             if sig[n] != "constexpr" and (sig[n].startswith("*") or n.startswith("stride")
+                                           or n in ("N", "inter", "K", "E", "H"))}
     t0 = time.time()
     k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=TARGET, options=options)
     shown = {a: b for a, b in consts.items() if a in ("G", "BLOCK_M", "BLOCK_N", "HEAD_DIM", "BLOCK_SIZE",
-                                                      "SPLIT", "BLOCK", "H", "HKV", "HAS_NORM")}
+                                                      "SPLIT", "BLOCK", "H", "HKV", "HAS_NORM", "BLOCK_K")}
     print(f"  {fn.__name__:24s} {shown} warps={options.get('num_warps')} smem={k.metadata.shared} "
           f"{_resources(k.asm['cubin'])} ({time.time() - t0:.1f}s)")
 
@@ -111,6 +112,31 @@ def check(dt: str) -> None:
                "KC": f"*{dt}", "VC": f"*{dt}", "SLOTS": "*i64", "eps": "fp32"},
               dict(H=H, HKV=Hkv, HEAD_DIM=D, HALF=D // 2, HALF_PAD=triton.next_power_of_2(D // 2), BLOCK_H=block_h,
                    NUM_QB=n_qb, BLOCK_SIZE=16, HAS_NORM=has_norm), num_warps=4)
+
+    check_moe(dt)
+
+
+def check_moe(dt: str) -> None:
+    """The fused-MoE kernels at Qwen3-30B-A3B's shapes (E=128, top-8, H=2048, I=768), every tile of the default
+    table (BLOCK_M >= 64 should show wgmma in the PTX)."""
+    from nanovllm.kernels.moe_configs import DEFAULT_BUCKETS
+    i32 = {n: "*i32" for n in ("IDS", "COUNTS", "RANKS", "OFFSETS", "BLOCK_EXPERT", "BLOCK_ROWS", "SORTED")}
+    build(moe_routing._route_kernel, {"LOGITS": f"*{dt}", "WEIGHTS": "*fp32", **i32},
+          dict(TOP_K=8, RENORM=True, BLOCK_T=moe_routing.BLOCK_T, BLOCK_E=128, K_PAD=8), num_warps=4)
+    build(moe_routing._count_kernel, i32, dict(BLOCK_P=moe_routing.BLOCK_P, BLOCK_E=128), num_warps=4)
+    build(moe_routing._scan_kernel, i32, dict(BLOCK_M=32, BLOCK_C=moe_routing.SCAN_CHUNKS, BLOCK_E=128,
+                                              BLOCK_B=moe_routing.SCAN_BLOCKS), num_warps=8)
+    build(moe_routing._scatter_kernel, i32, dict(BLOCK_P=moe_routing.BLOCK_P), num_warps=4)
+    build(moe._combine_kernel, {"P": f"*{dt}", "OUT": f"*{dt}"}, dict(TOP_K=8, BLOCK_H=1024), num_warps=4)
+    ptrs = {**i32, "X": f"*{dt}", "W": f"*{dt}", "OUT": f"*{dt}", "A": f"*{dt}", "TOPW": "*fp32"}
+    for cfg in dict.fromkeys(c for _, c in DEFAULT_BUCKETS):
+        for fn, tile in ((moe._gate_up_kernel, cfg.gate_up.fit(768, 2048, DTYPES[dt].itemsize)),
+                         (moe._down_kernel, cfg.down.fit(2048, 768, DTYPES[dt].itemsize))):
+            consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=True,
+                          UPCAST=False, PRECISION="ieee" if dt == "fp32" else None)
+            if fn is moe._gate_up_kernel:
+                consts["TOP_K"] = 8
+            build(fn, ptrs, consts, num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
 if __name__ == "__main__":

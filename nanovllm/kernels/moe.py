@@ -1,0 +1,253 @@
+"""The fused mixture-of-experts layer in Triton: routing, the expert-sorted layout (``nanovllm.kernels.
+moe_routing``), two grouped GEMMs and the combine. Reference: ``nanovllm.layers.moe_ref`` (``fused_moe_ref`` and
+one function per step below).
+
+    moe_route    (T, E) logits -> top-k weights (T, k) float32 and expert ids (T, k)
+    moe_align    ids -> pairs sorted by expert in blocks of BLOCK_M rows (MoELayout)
+    moe_gate_up  per block: x rows of its pairs @ w13[e].T -> silu(gate) * up, (rows, I) in x's dtype
+    moe_down     per block: those rows @ w2[e].T * the pair's routing weight -> row t * k + j of (T * k, H)
+    moe_combine  out[t] = sum over j in order 0 .. k-1 of row t * k + j, in float32 (deterministic: no atomics)
+
+A GEMM program takes one block of rows (one expert) and BLOCK_N outputs; programs are ordered blocks first, so
+the blocks of one expert that share a weight tile run side by side. The grids are sized for the worst case
+(`max_blocks`) and a program past the last real block exits at once (its block's expert is -1): every shape
+depends on the token count only, so decode and mixed steps replay in CUDA graphs. Products accumulate in
+float32; the SiLU-and-mul result, each weighted pair row and the sum are rounded to x's dtype, as in the
+reference. Tile sizes come from ``nanovllm.kernels.moe_configs`` (by token count and weight shape).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels._common import check_float, check_same_device, dot_precision, next_pow2, upcast_dots
+from nanovllm.kernels.moe_configs import GemmTile, MoEConfig, config_buckets, moe_config
+from nanovllm.kernels.moe_routing import moe_align, moe_route
+from nanovllm.layers.moe_ref import MoELayout
+
+
+@triton.jit(do_not_specialize=["n_blocks"])
+def _gate_up_kernel(X, W, SORTED, BLOCK_EXPERT, BLOCK_ROWS, OUT, n_blocks, N, K,
+                    stride_x, stride_we, stride_wn, stride_o,
+                    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    blk = pid % n_blocks
+    e = tl.load(BLOCK_EXPERT + blk)
+    if e < 0:  # past the last real block
+        return
+    offs_m = tl.arange(0, BLOCK_M)
+    row_ok = offs_m < tl.load(BLOCK_ROWS + blk)
+    rows = blk.to(tl.int64) * BLOCK_M + offs_m
+    tok = (tl.load(SORTED + rows, mask=row_ok, other=0) // TOP_K).to(tl.int64)
+    offs_n = (pid // n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = X + tok[:, None] * stride_x + offs_k[None, :]
+    # (BLOCK_K, BLOCK_N) tiles of the gate rows [0, N) and the up rows [N, 2N) of w13[e]
+    g_ptrs = W + e.to(tl.int64) * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
+    u_ptrs = g_ptrs + N * stride_wn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            u = tl.load(u_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        if UPCAST:
+            a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    tl.store(OUT + rows[:, None] * stride_o + offs_n[None, :], h.to(OUT.dtype.element_ty),
+             mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["n_blocks"])
+def _down_kernel(A, W, SORTED, BLOCK_EXPERT, BLOCK_ROWS, TOPW, OUT, n_blocks, N, K,
+                 stride_a, stride_we, stride_wn, stride_o,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    blk = pid % n_blocks
+    e = tl.load(BLOCK_EXPERT + blk)
+    if e < 0:
+        return
+    offs_m = tl.arange(0, BLOCK_M)
+    row_ok = offs_m < tl.load(BLOCK_ROWS + blk)
+    rows = blk.to(tl.int64) * BLOCK_M + offs_m
+    pair = tl.load(SORTED + rows, mask=row_ok, other=0).to(tl.int64)
+    offs_n = (pid // n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = A + rows[:, None] * stride_a + offs_k[None, :]
+    w_ptrs = W + e.to(tl.int64) * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        if UPCAST:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    acc = acc * tl.load(TOPW + pair, mask=row_ok, other=0.0)[:, None]
+    tl.store(OUT + pair[:, None] * stride_o + offs_n[None, :], acc.to(OUT.dtype.element_ty),
+             mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(P, OUT, H, stride_p, stride_o, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    m = offs < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(P + (t * TOP_K + j) * stride_p + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(OUT + t * stride_o + offs, acc.to(OUT.dtype.element_ty), mask=m)
+
+
+def _rows_contiguous(name: str, t: torch.Tensor) -> None:
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got shape {tuple(t.shape)} strides {tuple(t.stride())}")
+
+
+def _check_operands(fn: str, a: torch.Tensor, w: torch.Tensor) -> None:
+    """a (rows, K) with contiguous rows and w (E, N, K) contiguous, one dtype."""
+    if a.dim() != 2 or w.dim() != 3 or a.shape[1] != w.shape[2] or (a.shape[1] > 1 and a.stride(1) != 1):
+        raise ValueError(f"{fn}: want rows (n, K) with contiguous rows and weights (E, N, K), got {tuple(a.shape)} "
+                         f"strides {tuple(a.stride())} and {tuple(w.shape)}")
+    if a.dtype != w.dtype:
+        raise ValueError(f"{fn}: operands must share a dtype, got {a.dtype} and {w.dtype}")
+    _rows_contiguous(f"{fn}: weights", w)
+
+
+def _launch_args(tile: GemmTile, dtype: torch.dtype, K: int) -> dict:
+    return dict(BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=K % tile.block_k == 0, UPCAST=upcast_dots(dtype),
+                PRECISION=dot_precision(dtype), num_warps=tile.num_warps, num_stages=tile.num_stages)
+
+
+def moe_gate_up(x: torch.Tensor, w13: torch.Tensor, layout: MoELayout, top_k: int, tile: GemmTile) -> torch.Tensor:
+    """(rows, I) silu(gate) * up of each layout row's token and expert (``gate_up_ref``; padding rows unwritten).
+    x (T, H) with contiguous rows; w13 (E, 2I, H) contiguous, [gate | up] per expert."""
+    _check_operands("moe_gate_up", x, w13)
+    E, two_i, H = w13.shape
+    inter = two_i // 2
+    tile = tile.fit(inter, H, x.element_size())
+    nb = layout.block_expert.numel()
+    out = torch.empty(nb * layout.block_m, inter, dtype=x.dtype, device=x.device)
+    if nb:
+        grid = (nb * triton.cdiv(inter, tile.block_n),)
+        _gate_up_kernel[grid](x, w13, layout.sorted_ids, layout.block_expert, layout.block_rows, out, nb, inter, H,
+                              x.stride(0), w13.stride(0), w13.stride(1), out.stride(0), TOP_K=top_k,
+                              BLOCK_M=layout.block_m, **_launch_args(tile, x.dtype, H))
+    return out
+
+
+def moe_down(inter: torch.Tensor, w2: torch.Tensor, layout: MoELayout, weights: torch.Tensor,
+             tile: GemmTile) -> torch.Tensor:
+    """(T * top_k, H) weighted down projections, row t * top_k + j (``down_ref``). inter (rows, I) from
+    moe_gate_up; w2 (E, H, I) contiguous; weights (T, top_k) float32 contiguous."""
+    _check_operands("moe_down", inter, w2)
+    if weights.dtype != torch.float32 or not weights.is_contiguous():
+        raise ValueError(f"moe_down: weights must be contiguous float32, got {weights.dtype} {tuple(weights.stride())}")
+    E, H, K = w2.shape
+    tile = tile.fit(H, K, inter.element_size())
+    nb = layout.block_expert.numel()
+    out = torch.empty(weights.numel(), H, dtype=inter.dtype, device=inter.device)
+    if nb:
+        grid = (nb * triton.cdiv(H, tile.block_n),)
+        _down_kernel[grid](inter, w2, layout.sorted_ids, layout.block_expert, layout.block_rows, weights, out, nb, H,
+                           K, inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0), BLOCK_M=layout.block_m,
+                           **_launch_args(tile, inter.dtype, K))
+    return out
+
+
+def moe_combine(pairs: torch.Tensor, top_k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """(T * top_k, H) rows -> (T, H): each token's rows summed in order (``combine_ref``), into `out` (contiguous
+    rows) when given."""
+    n, H = pairs.shape
+    T = n // top_k
+    if n % top_k or (H > 1 and pairs.stride(1) != 1):
+        raise ValueError(f"moe_combine: pairs must be (T * {top_k}, H) with contiguous rows, got {tuple(pairs.shape)}")
+    if out is None:
+        out = torch.empty(T, H, dtype=pairs.dtype, device=pairs.device)
+    elif tuple(out.shape) != (T, H) or out.dtype != pairs.dtype or (H > 1 and out.stride(1) != 1):
+        raise ValueError(f"moe_combine: out must be ({T}, {H}) {pairs.dtype} with contiguous rows, got "
+                         f"{tuple(out.shape)} {out.dtype}")
+    if T:
+        block = min(1024, next_pow2(H))
+        _combine_kernel[(T, triton.cdiv(H, block))](pairs, out, H, pairs.stride(0), out.stride(0), TOP_K=top_k,
+                                                   BLOCK_H=block, num_warps=4)
+    return out
+
+
+def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+              renormalize: bool, out: torch.Tensor | None = None, *, config: MoEConfig | None = None) -> torch.Tensor:
+    """The mixture-of-experts feed-forward (T, H), as ``fused_moe_ref``: x (T, H); router_logits (T, E);
+    w13 (E, 2I, H) and w2 (E, H, I) contiguous in x's dtype (I: this rank's slice: the result is then its partial
+    sum); into `out` ((T, H) contiguous, x's dtype) when given. config None: from the table (moe_config)."""
+    fn = "fused_moe"
+    for name, t in (("x", x), ("w13", w13), ("w2", w2)):
+        check_float(f"{fn}: {name}", t)
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"{fn}: want x (T, H), w13 (E, 2I, H), w2 (E, H, I); got {tuple(x.shape)}, "
+                         f"{tuple(w13.shape)}, {tuple(w2.shape)}")
+    T, H = x.shape
+    E, two_i, _ = w13.shape
+    if two_i % 2 or tuple(w13.shape) != (E, two_i, H) or tuple(w2.shape) != (E, H, two_i // 2):
+        raise ValueError(f"{fn}: shapes disagree: x {tuple(x.shape)}, w13 {tuple(w13.shape)} (want (E, 2I, {H})), "
+                         f"w2 {tuple(w2.shape)} (want ({E}, {H}, I))")
+    if tuple(router_logits.shape) != (T, E):
+        raise ValueError(f"{fn}: router_logits must be ({T}, {E}), got {tuple(router_logits.shape)}")
+    if not (x.dtype == w13.dtype == w2.dtype):
+        raise ValueError(f"{fn}: x, w13 and w2 must share a dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
+    if H > 1 and x.stride(1) != 1:
+        raise ValueError(f"{fn}: x needs contiguous rows, got strides {tuple(x.stride())}")
+    _rows_contiguous(f"{fn}: w13", w13)
+    _rows_contiguous(f"{fn}: w2", w2)
+    if out is None:
+        out = torch.empty(T, H, dtype=x.dtype, device=x.device)
+    elif tuple(out.shape) != (T, H) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"{fn}: out must be ({T}, {H}) {x.dtype} contiguous, got {tuple(out.shape)} {out.dtype}")
+    check_same_device(x=x, router_logits=router_logits, w13=w13, w2=w2, out=out)
+    if config is None:
+        config = moe_config(T, E, H, two_i // 2)
+    weights, ids = moe_route(router_logits, top_k, renormalize)
+    layout = moe_align(ids, E, config.block_m)
+    inter = moe_gate_up(x, w13, layout, top_k, config.gate_up)
+    return moe_combine(moe_down(inter, w2, layout, weights, config.down), top_k, out)
+
+
+def fused_moe_compile(w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool) -> int:
+    """Run the layer on one token with every config of its weight shape's table, so that each kernel variant a step
+    can pick is compiled now (at start-up), not by the first step of its size mid-run; the first config alone
+    (it compiles the kernels all share), the others side by side on CUDA (the compiler runs in subprocesses; the
+    CPU interpreter runs one launch at a time). Returns how many configs."""
+    from concurrent.futures import ThreadPoolExecutor
+    E, two_i, H = w13.shape
+    configs = list(dict.fromkeys(cfg for _, cfg in config_buckets(E, H, two_i // 2)))
+    x = torch.zeros(1, H, dtype=w13.dtype, device=w13.device)
+    logits = torch.zeros(1, E, dtype=w13.dtype, device=w13.device)
+
+    def run(cfg):
+        fused_moe(x, logits, w13, w2, top_k, renormalize, config=cfg)
+
+    run(configs[0])
+    with ThreadPoolExecutor(max(1, len(configs) - 1) if w13.is_cuda else 1) as pool:
+        list(pool.map(run, configs[1:]))
+    return len(configs)

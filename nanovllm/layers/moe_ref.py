@@ -1,0 +1,142 @@
+"""The plain-torch mixture of experts: the definitions the Triton kernels (`nanovllm.kernels.moe`) answer to.
+
+A token's feed-forward output is a weighted sum over the `top_k` experts its router picks:
+
+    probs = softmax(router_logits) in float32; (w, ids) = its top_k, ties to the lower expert index;
+    w /= sum(w) when renormalizing (norm_topk_prob)
+    out[t] = sum over j = 0 .. top_k-1, in that order, of w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, j]
+
+with every product accumulated in float32 and rounded to the model's dtype at the same three points as the
+kernels: the SiLU-and-mul result (the down projection's input), each weighted (token, j) row, and the sum.
+`torch.topk`'s order among equal values is unspecified (on CPU ``topk([1, 1, 1], 2)`` gives indices 2, 1), so
+ties are broken by a stable sort instead: the lower expert index wins, as in the kernel.
+
+`fused_moe_ref` is the model's feed-forward on the torch backend: it runs every expert on every token (static
+shapes, no host syncs, so it also runs inside CUDA graphs) and keeps each token's routed results; E / top_k
+times the work of the kernels, which only the tests and small models see. `align_ref`, `gate_up_ref`,
+`down_ref` and `combine_ref` define the kernels' intermediate steps over the expert-sorted layout (`MoELayout`);
+they read the layout on the host (tests only).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, E) router logits -> (weights (T, top_k) float32, expert ids (T, top_k) int32), best first."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    w, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    w, ids = w[:, :top_k], ids[:, :top_k]
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w, ids.to(torch.int32)
+
+
+def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """How many blocks of block_m rows the expert-sorted layout of num_pairs (token, expert) pairs can need:
+    each expert's rows are padded to a multiple of block_m, so sum_e ceil(c_e / block_m) <= (num_pairs +
+    E (block_m - 1)) / block_m, and no more blocks than pairs (every block holds one)."""
+    return min(num_pairs, (num_pairs + num_experts * (block_m - 1)) // block_m)
+
+
+@dataclass(frozen=True)
+class MoELayout:
+    """The (token, j) pairs sorted by expert, each expert's rows padded to whole blocks of block_m rows.
+
+    sorted_ids (max_blocks * block_m,) int32: row r holds the flat pair index t * top_k + j (rows past a
+    block's `block_rows` are padding: their entries are never read); block_expert (max_blocks,) int32: the expert
+    of each block, -1 past the last; block_rows (max_blocks,) int32: the block's real rows (the first ones)."""
+    sorted_ids: torch.Tensor
+    block_expert: torch.Tensor
+    block_rows: torch.Tensor
+    block_m: int
+
+    def row_mask(self) -> torch.Tensor:
+        """(rows,) bool: the rows that hold a pair."""
+        r = torch.arange(self.sorted_ids.numel(), device=self.sorted_ids.device)
+        return (r % self.block_m) < self.block_rows.long().repeat_interleave(self.block_m)
+
+
+def align_ref(ids: torch.Tensor, num_experts: int, block_m: int) -> MoELayout:
+    """The expert-sorted layout of (T, top_k) expert ids: experts in index order, each one's pairs in pair-index
+    order (a stable sort), padding rows 0."""
+    flat = ids.flatten().long()
+    n = flat.numel()
+    nb = max_blocks(n, num_experts, block_m)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    sorted_ids = torch.zeros(nb * block_m, dtype=torch.int32)
+    block_expert = torch.full((nb,), -1, dtype=torch.int32)
+    block_rows = torch.zeros(nb, dtype=torch.int32)
+    src = row = 0
+    for e, c in enumerate(counts):
+        sorted_ids[row:row + c] = order[src:src + c].to(torch.int32)
+        for b in range(row // block_m, (row + c + block_m - 1) // block_m):
+            block_expert[b] = e
+            block_rows[b] = min(block_m, row + c - b * block_m)
+        src += c
+        row += -(-c // block_m) * block_m
+    dev = ids.device
+    return MoELayout(sorted_ids.to(dev), block_expert.to(dev), block_rows.to(dev), block_m)
+
+
+def gate_up_ref(x: torch.Tensor, w13: torch.Tensor, layout: MoELayout, top_k: int) -> torch.Tensor:
+    """The SiLU-and-mul of each layout row's expert: (rows, I) in x's dtype, padding rows 0.
+    x (T, H); w13 (E, 2I, H) laid out [gate | up] per expert."""
+    inter = w13.shape[1] // 2
+    out = torch.zeros(layout.sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
+    rows = layout.row_mask().nonzero().flatten()
+    experts = layout.block_expert.long().repeat_interleave(layout.block_m)[rows]
+    xt = x[(layout.sorted_ids.long()[rows] // top_k)].float()                       # (n, H)
+    gu = torch.einsum("nh,nih->ni", xt, w13[experts].float())                       # (n, 2I)
+    out[rows] = (F.silu(gu[:, :inter]) * gu[:, inter:]).to(x.dtype)
+    return out
+
+
+def down_ref(inter: torch.Tensor, w2: torch.Tensor, layout: MoELayout, weights: torch.Tensor) -> torch.Tensor:
+    """Each pair's weighted down projection: (T * top_k, H) in inter's dtype, row t * top_k + j.
+    inter (rows, I) from gate_up_ref; w2 (E, H, I); weights (T, top_k) float32."""
+    n_pairs = weights.numel()
+    out = torch.zeros(n_pairs, w2.shape[1], dtype=inter.dtype, device=inter.device)
+    rows = layout.row_mask().nonzero().flatten()
+    experts = layout.block_expert.long().repeat_interleave(layout.block_m)[rows]
+    pairs = layout.sorted_ids.long()[rows]
+    y = torch.einsum("ni,nhi->nh", inter[rows].float(), w2[experts].float())        # (n, H)
+    out[pairs] = (y * weights.flatten()[pairs, None].float()).to(inter.dtype)
+    return out
+
+
+def combine_ref(pairs: torch.Tensor, top_k: int) -> torch.Tensor:
+    """(T * top_k, H) weighted rows -> (T, H): each token's top_k rows summed in float32 in order j = 0, 1, ..."""
+    p = pairs.view(-1, top_k, pairs.shape[-1]).float()
+    acc = p[:, 0]
+    for j in range(1, top_k):
+        acc = acc + p[:, j]
+    return acc.to(pairs.dtype)
+
+
+def fused_moe_ref(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+                  renormalize: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The mixture-of-experts feed-forward (T, H) of x (T, H) with router_logits (T, E), w13 (E, 2I, H) and
+    w2 (E, H, I) (this rank's slice of I under tensor parallelism: the result is then this rank's partial sum);
+    into `out` when given."""
+    weights, ids = route_ref(router_logits, top_k, renormalize)
+    T, H = x.shape
+    inter = w13.shape[1] // 2
+    xf = x.float()
+    rows = torch.zeros(T, top_k, H, dtype=torch.float32, device=x.device)  # (token, j) weighted outputs
+    for e in range(w13.shape[0]):
+        gu = xf @ w13[e].float().t()                                              # (T, 2I)
+        h = (F.silu(gu[:, :inter]) * gu[:, inter:]).to(x.dtype).float()
+        y = h @ w2[e].float().t()                                                 # (T, H)
+        weighted = (y[:, None, :] * weights[:, :, None]).to(x.dtype).float()      # (T, top_k, H)
+        rows = torch.where((ids == e)[:, :, None], weighted, rows)
+    acc = rows[:, 0]
+    for j in range(1, top_k):
+        acc = acc + rows[:, j]
+    if out is None:
+        return acc.to(x.dtype)
+    return out.copy_(acc)

@@ -1,0 +1,173 @@
+"""The fused-MoE kernels (``nanovllm.kernels.moe`` / ``moe_routing``) against their torch references
+(``nanovllm.layers.moe_ref``): routing (ties, NaN rows), the expert-sorted layout (experts with no tokens, one
+token, several counting chunks), both grouped GEMMs (rows that don't fill a block, padding never read), the
+combine, and the whole layer in float32 and bfloat16."""
+import pytest
+import torch
+
+from nanovllm.kernels.moe import fused_moe, fused_moe_compile, moe_combine, moe_down, moe_gate_up
+from nanovllm.kernels.moe_configs import DEFAULT_BUCKETS, GemmTile, MoEConfig, moe_config
+from nanovllm.kernels.moe_routing import moe_align, moe_route
+from nanovllm.layers.moe_ref import (
+    MoELayout,
+    align_ref,
+    combine_ref,
+    down_ref,
+    fused_moe_ref,
+    gate_up_ref,
+    max_blocks,
+    route_ref,
+)
+
+POISON = 1 << 30  # in padding rows of a layout: a kernel that read one would address far out of bounds
+
+
+def _rand(*shape, seed, dtype=torch.float32, device="cpu", scale=1.0):
+    return (scale * torch.randn(*shape, generator=torch.Generator().manual_seed(seed))).to(dtype).to(device)
+
+
+def _poisoned(layout: MoELayout) -> MoELayout:
+    ids = torch.where(layout.row_mask(), layout.sorted_ids, torch.full_like(layout.sorted_ids, POISON))
+    return MoELayout(ids, layout.block_expert, layout.block_rows, layout.block_m)
+
+
+@pytest.mark.parametrize("T, E, k, renorm", [(1, 8, 2, True), (37, 8, 2, False), (20, 12, 12, True),
+                                             (5, 128, 8, True), (3, 8, 1, False)])
+def test_route_matches_reference(device, T, E, k, renorm):
+    logits = _rand(T, E, seed=T + E, scale=3.0, device=device)
+    w, ids = moe_route(logits, k, renorm)
+    wr, idr = route_ref(logits, k, renorm)
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32 and ids.shape == w.shape == (T, k)
+    assert torch.equal(ids, idr)
+    torch.testing.assert_close(w, wr, atol=1e-6, rtol=1e-5)
+    if renorm:
+        torch.testing.assert_close(w.sum(-1), torch.ones(T, device=device))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # the NaN row, under the interpreter
+def test_route_ties_go_to_the_lower_index(device):
+    logits = torch.tensor([[0.0, 1.0, 1.0, 1.0, 0.5, 1.0, 0.0, 0.0],     # four-way tie across the top-2 boundary
+                           [2.0] * 8,                                      # everything tied
+                           [3.0, 0.0, 3.0, 0.0, 1.0, 1.0, 0.0, 0.0],      # a tie inside the top 2
+                           [float("nan")] * 8,                             # garbage (a padding row)
+                           [float("inf"), 0.0, float("inf"), 0.0, 0.0, 0.0, 0.0, 0.0]], device=device)
+    w, ids = moe_route(logits.to(torch.bfloat16), 2, True)
+    assert ids[:3].tolist() == [[1, 2], [0, 1], [0, 2]]
+    assert ids[:3].tolist() == route_ref(logits[:3], 2, True)[1].tolist()
+    torch.testing.assert_close(w[:3], torch.full((3, 2), 0.5, device=device))
+    for row in ids[3:].tolist():  # still two distinct real experts
+        assert len(set(row)) == 2 and all(0 <= e < 8 for e in row)
+    assert bool(torch.isfinite(w).all())
+
+
+def _ids(kind: str, T: int, E: int, k: int, device) -> torch.Tensor:
+    if kind == "random":  # distinct experts per token, as routing gives
+        return torch.argsort(_rand(T, E, seed=T * E + k), dim=-1)[:, :k].to(torch.int32).to(device)
+    if kind == "two experts":  # every token on experts 3 and 5: the others get none
+        return torch.tensor([[5, 3]] * T, dtype=torch.int32, device=device)
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind, T, E, k", [("random", 1, 8, 2), ("random", 37, 8, 2), ("random", 100, 16, 4),
+                                           ("random", 50, 12, 3),
+                                           ("two experts", 70, 8, 2), ("random", 300, 128, 8)])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_align_matches_reference(device, kind, T, E, k, block_m):
+    ids = _ids(kind, T, E, k, device)
+    lay, ref = moe_align(ids, E, block_m), align_ref(ids, E, block_m)
+    assert lay.block_expert.numel() == max_blocks(T * k, E, block_m)
+    assert torch.equal(lay.block_expert, ref.block_expert) and torch.equal(lay.block_rows, ref.block_rows)
+    real = ref.row_mask()
+    assert torch.equal(lay.sorted_ids[real], ref.sorted_ids[real])
+    # every pair exactly once, in a block of its expert
+    assert sorted(lay.sorted_ids[real].tolist()) == list(range(T * k))
+    experts = lay.block_expert.long().repeat_interleave(block_m)[real]
+    assert torch.equal(ids.flatten()[lay.sorted_ids[real].long()].long(), experts)
+    live = lay.block_expert >= 0
+    assert bool((lay.block_rows[live] > 0).all()) and not bool(live[live.long().sum():].any())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T, E, H, inter, k, block_m", [(1, 8, 64, 32, 2, 16), (37, 8, 64, 48, 2, 16),
+                                                        (50, 16, 48, 32, 4, 32)])
+def test_grouped_gemms_and_combine_match_reference(device, dtype, T, E, H, inter, k, block_m):
+    """gate/up (SiLU-and-mul fused) and down (routing weight fused) over a layout whose padding entries are
+    poison and whose padding rows of the intermediate are NaN: neither is read. H=48: a K that is no multiple of
+    the k-tile; inter=48: outputs that don't fill an n-tile."""
+    x = _rand(T, H, seed=1, dtype=dtype, device=device)
+    w13 = _rand(E, 2 * inter, H, seed=2, dtype=dtype, device=device, scale=0.2)
+    w2 = _rand(E, H, inter, seed=3, dtype=dtype, device=device, scale=0.2)
+    weights, ids = route_ref(_rand(T, E, seed=4, device=device), k, True)
+    layout = align_ref(ids, E, block_m)
+    tile = GemmTile(32, 32)
+    real = layout.row_mask()
+    h = moe_gate_up(x, w13, _poisoned(layout), k, tile)
+    h_ref = gate_up_ref(x, w13, layout, k)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(h[real].float(), h_ref[real].float(), **tol)
+    h[~real] = float("nan")
+    pairs = moe_down(h, w2, _poisoned(layout), weights, tile)
+    torch.testing.assert_close(pairs.float(), down_ref(h_ref, w2, layout, weights).float(), **tol)
+    out, want = moe_combine(pairs, k), combine_ref(pairs, k)
+    if dtype == torch.float32:
+        assert torch.equal(out, want)  # the same float32 sums in the same order
+    else:  # (the interpreter rounds float32 to bfloat16 by truncation: one unit in the last place)
+        torch.testing.assert_close(out.float(), want.float(), atol=1e-6, rtol=2 ** -7)
+
+
+CONFIGS = [MoEConfig(16, GemmTile(32, 32), GemmTile(32, 32)),
+           MoEConfig(32, GemmTile(64, 16, num_stages=2), GemmTile(16, 64)),
+           MoEConfig(64, GemmTile(16, 64, num_warps=8), GemmTile(64, 32))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"m{c.block_m}")
+@pytest.mark.parametrize("T, E, k, renorm, skew", [(1, 8, 2, True, False), (45, 8, 2, True, True),
+                                                   (33, 16, 4, False, False)])
+def test_fused_moe_matches_reference(device, dtype, cfg, T, E, k, renorm, skew):
+    """The whole layer; skew: the router favours two experts, so most experts receive no token."""
+    H, inter = 64, 32
+    x = _rand(T, H, seed=T, dtype=dtype, device=device)
+    logits = _rand(T, E, seed=T + 1, device=device)
+    if skew:
+        logits[:, :2] += 8.0
+    w13 = _rand(E, 2 * inter, H, seed=5, dtype=dtype, device=device, scale=0.2)
+    w2 = _rand(E, H, inter, seed=6, dtype=dtype, device=device, scale=0.2)
+    out = torch.full((T, H), float("nan"), dtype=dtype, device=device)
+    y = fused_moe(x, logits.to(dtype), w13, w2, k, renorm, out, config=cfg)
+    assert y is out
+    ref = fused_moe_ref(x, logits.to(dtype), w13, w2, k, renorm)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(y.float(), ref.float(), **tol)
+    assert torch.equal(fused_moe(x, logits.to(dtype), w13, w2, k, renorm, config=cfg), y)  # deterministic
+
+
+def test_fused_moe_rejects_bad_inputs(device):
+    x = torch.zeros(4, 64, device=device)
+    w13, w2, lg = torch.zeros(8, 64, 64, device=device), torch.zeros(8, 64, 32, device=device), torch.zeros(4, 8)
+    lg = lg.to(device)
+    with pytest.raises(ValueError, match="shapes disagree"):
+        fused_moe(x, lg, w13, w2[:, :, :16], 2, True)
+    with pytest.raises(ValueError, match="router_logits must be"):
+        fused_moe(x, lg[:, :4], w13, w2, 2, True)
+    with pytest.raises(ValueError, match="share a dtype"):
+        fused_moe(x, lg, w13.to(torch.bfloat16), w2, 2, True)
+    with pytest.raises(ValueError, match="top_k"):
+        fused_moe(x, lg, w13, w2, 9, True)
+    with pytest.raises(ValueError, match="out must be"):
+        fused_moe(x, lg, w13, w2, 2, True, torch.zeros(4, 32, device=device))
+    assert fused_moe(x[:0], lg[:0], w13, w2, 2, True).shape == (0, 64)
+
+
+def test_config_table_lookup(device):
+    assert moe_config(1, 128, 2048, 768) is DEFAULT_BUCKETS[0][1]
+    assert moe_config(10 ** 6, 128, 2048, 768) is DEFAULT_BUCKETS[-1][1]
+    assert [moe_config(n, 8, 64, 32).block_m for n in (16, 17, 128, 129, 512, 513)] == [16, 16, 16, 32, 32, 64]
+    assert GemmTile(128, 256).fit(32, 48) == GemmTile(32, 64)
+    assert GemmTile(128, 256).fit(1024, 2048, itemsize=4) == GemmTile(128, 128)  # float32: bf16's shared memory
+    with pytest.raises(ValueError, match="block_n"):
+        GemmTile(24, 64)
+    with pytest.raises(ValueError, match="block_m"):
+        MoEConfig(8, GemmTile(16, 16), GemmTile(16, 16))
+    w13, w2 = torch.zeros(8, 64, 64, device=device), torch.zeros(8, 64, 32, device=device)
+    assert fused_moe_compile(w13, w2, 2, True) == len(set(c for _, c in DEFAULT_BUCKETS)) == 4
