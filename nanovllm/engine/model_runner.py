@@ -30,7 +30,7 @@ from nanovllm.layers.linear import GemmPlan, UnquantizedLinearMethod
 from nanovllm.layers.ops import select_ops
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from nanovllm.models.loader import init_dummy, load_safetensors, process_weights_after_loading
-from nanovllm.models.registry import build_model
+from nanovllm.models.registry import build_model, packed_modules_mapping
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +81,13 @@ class ModelRunner:
     # --- setup -------------------------------------------------------------------------------------
     def _load_model(self):
         cfg = self.config
+        quant = None
+        if cfg.quantization is not None:
+            from nanovllm.layers.quantization import QuantizationMethods
+            quant = QuantizationMethods(cfg.quantization, use_kernels=self.ops.fused,
+                                        packed_modules=packed_modules_mapping(cfg.model))
         ctx = LayerContext(attention=self.backend, tp=self.tp, ops=self.ops,
-                           linear_method=UnquantizedLinearMethod(self.gemm_plan))
+                           linear_method=UnquantizedLinearMethod(self.gemm_plan), quantization=quant)
         prev = torch.get_default_dtype()
         torch.set_default_dtype(cfg.dtype)
         try:

@@ -19,6 +19,11 @@ Public kernels (each mirrors a torch reference elsewhere in the package):
 * ``qkv_norm_rope_store(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps, k_cache, v_cache,
   slot_mapping, num_heads, num_kv_heads, head_dim, q_out=None)``          -> (T, H, D) q; k/v into the cache
   (QK-norm + RoPE + KV store in one launch; reference ``nanovllm.layers.fused_qkv_ref``)
+* ``per_token_quant_fp8(x)``, ``per_token_group_quant_fp8(x, group)``   -> (e4m3 q, float32 scales)
+* ``w8a8_gemm(xq, xs, wq, ws, out_dtype, block=None, bias=None, out=None)`` -> (M, N): scaled FP8 GEMM, row-wise or
+  block-wise scales (references in ``nanovllm.layers.quantization.fp8_ref``)
+
+The KV-cache kernels (store, fused store, attention) also take an e4m3 cache with per-(token, head) scales.
 
 ``nanovllm.layers.ops.triton_ops()`` bundles them for the layers, which pick them when the model is built.
 """
@@ -32,7 +37,7 @@ __all__ = [
     "triton_available",
     "store_kvcache", "paged_prefill_attention", "paged_decode_attention", "decode_workspace_numel",
     "rms_norm", "add_rms_norm", "silu_and_mul", "apply_rotary", "sample", "sample_partial",
-    "qkv_norm_rope_store",
+    "qkv_norm_rope_store", "per_token_quant_fp8", "per_token_group_quant_fp8", "w8a8_gemm",
 ]
 
 # public name -> submodule that defines it
@@ -48,6 +53,9 @@ _LAZY = {
     "sample": "sampling",
     "sample_partial": "sampling",
     "qkv_norm_rope_store": "fused_qkv",
+    "per_token_quant_fp8": "fp8_quant",
+    "per_token_group_quant_fp8": "fp8_quant",
+    "w8a8_gemm": "fp8_gemm",
 }
 
 @functools.cache

@@ -3,7 +3,8 @@
 The three differ only in small switches: Qwen2 has q/k/v biases (and no o_proj bias), Qwen3 normalizes
 each query and key head (q_norm / k_norm) before RoPE, Llama 3 scales RoPE frequencies. Every layer is
 built from one `LayerContext`: its tensor-parallel group (size 1 = no sharding), its kernels, the attention
-backend and the linear method. `make_mlp` is where a layer's feed-forward block is chosen (dense today).
+backend and each linear layer's method, asked for by the layer's checkpoint name (its quantization may differ
+from layer to layer). `make_mlp` is where a layer's feed-forward block is chosen (dense today).
 """
 from __future__ import annotations
 
@@ -30,16 +31,17 @@ class DecoderVariant:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, variant: DecoderVariant, ctx: LayerContext):
+    def __init__(self, cfg: ModelConfig, variant: DecoderVariant, ctx: LayerContext, prefix: str):
         super().__init__()
         d = cfg.head_dim
         qkv_bias = cfg.attention_bias if variant.qkv_bias is None else variant.qkv_bias
         o_bias = cfg.attention_bias if variant.o_bias is None else variant.o_bias
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_heads, cfg.num_kv_heads, qkv_bias, ctx.tp,
-                                          ctx.linear_method)
+                                          ctx.linear(f"{prefix}.qkv_proj"))
         self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
-        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, o_bias, ctx.tp, ctx.linear_method)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, o_bias, ctx.tp,
+                                        ctx.linear(f"{prefix}.o_proj"))
         self.rotary_emb = RotaryEmbedding(d, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, ctx.ops)
         self.attn = Attention(self.num_heads, d, self.num_kv_heads, d ** -0.5, ctx.attention)
         if variant.qk_norm:
@@ -80,14 +82,14 @@ class DecoderAttention(nn.Module):
 class DecoderMLP(nn.Module):
     """The dense SwiGLU feed-forward block."""
 
-    def __init__(self, cfg: ModelConfig, ctx: LayerContext):
+    def __init__(self, cfg: ModelConfig, ctx: LayerContext, prefix: str):
         super().__init__()
         if cfg.hidden_act != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only 'silu')")
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, cfg.mlp_bias,
-                                                       ctx.tp, ctx.linear_method)
+                                                       ctx.tp, ctx.linear(f"{prefix}.gate_up_proj"))
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, ctx.tp,
-                                           ctx.linear_method)
+                                           ctx.linear(f"{prefix}.down_proj"))
         self.act = ctx.ops.silu_and_mul
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
@@ -98,14 +100,14 @@ def make_mlp(cfg: ModelConfig, layer_idx: int, ctx: LayerContext) -> nn.Module:
     """Layer `layer_idx`'s feed-forward block: a module with ``forward(x, reduce) -> (T, hidden)`` partial sums
     (``reduce=False``: this rank's, for ``TPGroup.all_reduce_add_norm``). Every layer is dense today; a
     mixture-of-experts block would be picked here from the config (per-layer sparsity)."""
-    return DecoderMLP(cfg, ctx)
+    return DecoderMLP(cfg, ctx, f"model.layers.{layer_idx}.mlp")
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, variant: DecoderVariant, layer_idx: int, ctx: LayerContext):
         super().__init__()
         self.tp = ctx.tp
-        self.self_attn = DecoderAttention(cfg, variant, ctx)
+        self.self_attn = DecoderAttention(cfg, variant, ctx, f"model.layers.{layer_idx}.self_attn")
         self.mlp = make_mlp(cfg, layer_idx, ctx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.ops)

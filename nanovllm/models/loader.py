@@ -62,7 +62,10 @@ def load_safetensors(model: nn.Module, model_dir: str) -> None:
                                          f"parameter wants {tuple(param.shape)}")
                     param.data.copy_(tensor)
                 else:
-                    loader(param, tensor, shard)
+                    try:
+                        loader(param, tensor, shard)
+                    except ValueError as e:
+                        raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
                 seen.add(target)
     missing = sorted(n for n in params if n not in seen and not (tied and n == "lm_head.weight"))
     if missing:
@@ -72,10 +75,14 @@ def load_safetensors(model: nn.Module, model_dir: str) -> None:
 
 @torch.no_grad()
 def init_dummy(model: nn.Module, seed: int) -> None:
-    """Random weights with a plausible scale (benchmarks without a checkpoint)."""
+    """Random weights with a plausible scale (benchmarks without a checkpoint). A parameter stored in another
+    form (e4m3 weights and their scales) carries its own ``dummy_init(param, generator)``."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
+        init = getattr(p, "dummy_init", None)
+        if init is not None:
+            init(p, gen)
+        elif name.endswith("norm.weight"):
             p.fill_(1.0)
         elif p.dim() == 1:
             p.zero_()
