@@ -47,26 +47,36 @@ def _register_kv_attention() -> str:
     return _KV_ATTENTION
 
 
-def reference_model(path: str, weights: str | tuple[int, int] | None = None, kv: bool = False):
+def reference_model(path: str, weights: str | tuple[int, int] | None = None, kv: bool = False,
+                    skip: tuple[str, ...] = (), tp: int = 1):
     """The checkpoint in transformers (float32, CPU), with its decoder projections fake-quantized as the engine
     quantizes them: ``weights="rows"`` (online FP8: weights per output channel, activations per token) or a block
-    (bn, bk) (block FP8: weights per tile, activations per token and bk columns); ``kv``: K/V per (token, head)."""
+    (bn, bk) (block FP8: weights per tile, activations per token and bk columns); ``kv``: K/V per (token, head).
+    ``skip``: modules left unquantized. ``tp``: online FP8 under tensor parallelism, where each rank of a
+    row-parallel layer (o_proj, down_proj) quantizes its own slice of the input features (weights and activations
+    per row *and* rank)."""
     from transformers import AutoModelForCausalLM
     kw = {"attn_implementation": _register_kv_attention()} if kv else {}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).eval()
     if weights is None:
         return model
     for name, m in model.named_modules():
-        if not isinstance(m, torch.nn.Linear) or name.rsplit(".", 1)[-1] not in PROJECTIONS:
+        if not isinstance(m, torch.nn.Linear) or name.rsplit(".", 1)[-1] not in PROJECTIONS or name in skip:
             continue
         with torch.no_grad():
             if weights == "rows":
-                m.weight.copy_(fake_quant_rows(m.weight))
-                m.register_forward_pre_hook(lambda mod, args: (fake_quant_rows(args[0]),))
+                parts = tp if name.endswith(("o_proj", "down_proj")) else 1
+                m.weight.copy_(_fake_quant_parts(m.weight, parts))
+                m.register_forward_pre_hook(lambda mod, args, n=parts: (_fake_quant_parts(args[0], n),))
             else:
                 m.weight.copy_(fake_quant_blocks(m.weight, weights))
                 m.register_forward_pre_hook(lambda mod, args, g=weights[1]: (fake_quant_groups(args[0], g),))
     return model
+
+
+def _fake_quant_parts(x: torch.Tensor, parts: int) -> torch.Tensor:
+    """fake_quant_rows of each of `parts` equal slices of the last dim."""
+    return fake_quant_rows(x.reshape(*x.shape[:-1], parts, x.shape[-1] // parts)).view(x.shape)
 
 
 def greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -108,3 +118,18 @@ def write_block_fp8_checkpoint(src: str, dst: str, block: tuple[int, int] = (128
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     return dst
+
+
+def assert_same_tokens(model, prompts, ref, out, tie: float = 0.01) -> None:
+    """Engine tokens `out` equal the reference's `ref`, except that a sequence may diverge where the reference's top
+    two logits are within `tie` of each other (a float32 difference between the two implementations can move a
+    value across an e4m3 rounding boundary: a one-step change of one element, which decides only near-ties)."""
+    for i, (r, o) in enumerate(zip(ref, out)):
+        if r == o:
+            continue
+        j = next((k for k in range(min(len(r), len(o))) if r[k] != o[k]), None)
+        assert j is not None, f"prompt {i}: lengths differ ({len(r)} vs {len(o)})"
+        with torch.no_grad():
+            top = model(torch.tensor([prompts[i] + r[:j]])).logits[0, -1].float().topk(2).values
+        gap = (top[0] - top[1]).item()
+        assert gap < tie, f"prompt {i} (len {len(prompts[i])}) diverged at token {j} where the top-2 gap is {gap:.4f}"

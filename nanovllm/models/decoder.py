@@ -65,7 +65,8 @@ class DecoderAttention(nn.Module):
             q = self.fused_qkv(qkv, positions, self.rotary_emb.cos_sin_cache,
                                None if qn is None else qn.weight, None if kn is None else kn.weight,
                                0.0 if qn is None else qn.eps, self.attn.k_cache, self.attn.v_cache,
-                               meta.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim)  # (T, H, D)
+                               meta.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim,
+                               k_scales=self.attn.k_scales, v_scales=self.attn.v_scales)  # (T, H, D)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.reshape(T, self.num_heads, self.head_dim)
