@@ -1,18 +1,18 @@
-"""Offline throughput on the reference workload (256 requests, temperature 0.6, ignore_eos).
+"""Offline throughput on the reference workload (256 requests, temperature 0.6, ignore_eos): the number we report.
 
     python benchmarks/bench_offline.py --model benchmarks/models/qwen3-0.6b --load-format dummy
 
 Prints output tok/s, total time, achieved memory bandwidth (weights once per step + every scheduled
-sequence's KV), peak GPU memory and startup time, and on NVIDIA GPUs the run's energy, average power and
-median SM clock (NVML); writes the numbers as JSON with --json.
-Warm-up (a short generate) is excluded from the timing.
+sequence's KV), peak GPU memory and the startup breakdown, and on NVIDIA GPUs the run's energy, average power
+and median SM clock (an 8B run on one H200 runs at its 700 W cap, so its speed follows the clock each GPU holds
+there). --json appends the numbers as one JSON line; --step-log writes each step's wall time and rows;
+--gpu-idle reports how long each GPU sat idle between steps. Warm-up (a short generate) is excluded.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
-import math
 import os
 import shutil
 import sys
@@ -39,15 +39,43 @@ def model_bytes(m, itemsize: int) -> int:
     return itemsize * (m.num_layers * per_layer + m.vocab_size * d + d)
 
 
-def timed(spent: dict, name: str, fn):
-    """fn, adding the milliseconds each call takes to spent[name]."""
-    def wrapper(*args, **kw):
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kw)
-        finally:
-            spent[name] = spent.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
-    return wrapper
+class StepCounter:
+    """While installed: one row [wall ms of the engine step that launched it, seqs, tokens, KV tokens, is_decode]
+    per step the engine builds (the KV tokens are what the step's attention reads)."""
+
+    def __init__(self, engine):
+        self.engine, self.rows = engine, []
+        self._build, self._step = le.build_step_batch, engine.step
+
+    def _counting_build(self, out, block_size):
+        batch = self._build(out, block_size)
+        self.rows.append([0.0, batch.num_seqs, batch.num_tokens, sum(batch.seq_lens), batch.is_decode])
+        return batch
+
+    def _timed_step(self):
+        n, t = len(self.rows), time.perf_counter()
+        r = self._step()
+        if len(self.rows) > n:
+            self.rows[-1][0] = (time.perf_counter() - t) * 1e3
+        return r
+
+    def __enter__(self) -> StepCounter:
+        le.build_step_batch, self.engine.step = self._counting_build, self._timed_step
+        return self
+
+    def __exit__(self, *exc) -> None:
+        le.build_step_batch, self.engine.step = self._build, self._step
+
+
+def print_step_log(rows: list, kv_bytes_per_token: int) -> None:
+    """Mean wall time, rows and KV read per 100 steps."""
+    print(f"{'steps':>11s} {'ms/step':>8s} {'seqs':>6s} {'tokens':>7s} {'kv tok':>8s} {'KV GB/s':>8s}")
+    for i in range(0, len(rows), 100):
+        chunk = rows[i:i + 100]
+        ms = sum(r[0] for r in chunk) / len(chunk)
+        kv = sum(r[3] for r in chunk) / len(chunk)
+        print(f"{i:5d}-{i + len(chunk) - 1:5d} {ms:8.2f} {sum(r[1] for r in chunk) / len(chunk):6.0f} "
+              f"{sum(r[2] for r in chunk) / len(chunk):7.0f} {kv:8.0f} {kv * kv_bytes_per_token / ms / 1e6:8.0f}")
 
 
 def main(argv=None) -> dict:
@@ -58,25 +86,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-input-len", type=int, default=1024)
     ap.add_argument("--max-output-len", type=int, default=1024)
     ap.add_argument("--json", default=None, help="append the result as a JSON line to this file")
-    ap.add_argument("--label", default="")
+    ap.add_argument("--label", default="", help="a free-form label stored in the JSON line")
     ap.add_argument("--step-log", default=None, help="write per-step timings (JSON) here and print a summary")
     ap.add_argument("--gpu-idle", action="store_true",
                     help="CUDA: time each step on every rank's device with events (NANOVLLM_STEP_TIMING) and report "
                          "how long each GPU sat idle between steps (waiting for the host or its worker process)")
-    ap.add_argument("--host-phases", action="store_true",
-                    help="time the host's phases of each engine step (schedule, batch, launch, waiting for the "
-                         "previous step's tokens, their processing) and print them per step kind (one GPU)")
-    ap.add_argument("--reinit-uniform", type=float, default=None, metavar="A",
-                    help="after start-up, set every weight (norms too) uniform in [-A, A], as vLLM's dummy loader "
-                         "does with A=1e-3 (one GPU; to see whether the data changes the power-capped speed)")
     add_engine_args(ap)
     ns = ap.parse_args(argv)
     kwargs = {"max_model_len": 4096, **engine_kwargs(ns)}
-    if ns.reinit_uniform is not None:
-        if not math.isfinite(ns.reinit_uniform) or ns.reinit_uniform <= 0:
-            ap.error(f"--reinit-uniform must be a positive number, got {ns.reinit_uniform}")
-        if kwargs.get("tensor_parallel_size", 1) != 1:
-            ap.error("--reinit-uniform needs the model in this process (tensor_parallel_size=1)")
 
     prompts, max_tokens = offline_workload(ns.num_seqs, ns.max_input_len, ns.max_output_len)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
@@ -95,106 +112,39 @@ def main(argv=None) -> dict:
     itemsize = torch.empty(0, dtype=eng.config.dtype).element_size()
     kv_per_token = 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * itemsize
 
-    # count what each step must read: weights once, plus the KV of every scheduled sequence
-    steps = {"n": 0, "kv_tokens": 0}
-    step_rows = []  # (wall ms of engine.step, seqs, tokens, kv tokens, is_decode) of the step it launched
-    real_build = le.build_step_batch
-    real_step = eng.step
-    phase = {}           # host milliseconds per phase in the engine step being run
-    phase_rows = []      # (is_decode of the step it launched, {phase: ms}) per engine step
-    restore = []
-
-    def counting_build(out, block_size):
-        t0 = time.perf_counter()
-        batch = real_build(out, block_size)
-        phase["batch"] = (time.perf_counter() - t0) * 1e3
-        steps["n"] += 1
-        steps["kv_tokens"] += sum(batch.seq_lens)
-        step_rows.append([0.0, batch.num_seqs, batch.num_tokens, sum(batch.seq_lens), batch.is_decode])
-        return batch
-
-    def timed_step():
-        phase.clear()
-        n = len(step_rows)
-        t = time.perf_counter()
-        r = real_step()
-        ms = (time.perf_counter() - t) * 1e3
-        if step_rows:
-            step_rows[-1][0] = ms
-        if ns.host_phases and len(step_rows) > n:
-            phase_rows.append((step_rows[-1][4], {**phase, "total": ms}))
-        return r
-
-    if ns.reinit_uniform is not None:
-        with torch.no_grad():
-            for p in runner.model.parameters():
-                p.uniform_(-ns.reinit_uniform, ns.reinit_uniform)
     llm.generate([[1, 2, 3, 4]] * 4, SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
-    le.build_step_batch = counting_build
-    eng.step = timed_step
-    if ns.host_phases:
-        from nanovllm.engine import model_runner
-        for obj, name, label in ((eng.scheduler, "schedule", "schedule"), (eng.runner, "launch", "launch"),
-                                 (eng, "_resolve", "tokens"), (eng.scheduler, "on_step_done", "done"),
-                                 (model_runner.PendingStep, "result", "wait")):
-            restore.append((obj, name, obj.__dict__.get(name)))
-            setattr(obj, name, timed(phase, label, getattr(obj, name)))
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    # energy and SM clock of every GPU the engine uses (an 8B run on one H200 runs at its 700 W cap)
     power = PowerMonitor.open(list(range(kwargs.get("tensor_parallel_size", 1)))) if cuda else None
-    with power or contextlib.nullcontext():
+    with StepCounter(eng) as steps, power or contextlib.nullcontext():
         t = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         if cuda:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t
-    le.build_step_batch = real_build
-    eng.step = real_step
-    for obj, name, orig in restore:
-        if orig is None:
-            delattr(obj, name)
-        else:
-            setattr(obj, name, orig)
-    if phase_rows:
-        names = ["schedule", "batch", "launch", "wait", "tokens", "done", "total"]
-        print("host ms per engine step, by the kind of step it launched: " + ", ".join(names))
-        for kind, rows in (("prefill/mixed", [p for d, p in phase_rows if not d]),
-                           ("decode", [p for d, p in phase_rows if d])):
-            if rows:
-                avg = {k: sum(p.get(k, 0.0) for p in rows) / len(rows) for k in names}
-                print(f"  {kind:14s} {len(rows):5d} steps: " + ", ".join(f"{k} {avg[k]:.2f}" for k in names))
     if ns.step_log:
-        kv_tok = kv_per_token
         with open(ns.step_log, "w") as f:
-            json.dump(step_rows, f)
-        print(f"{'steps':>11s} {'ms/step':>8s} {'seqs':>6s} {'tokens':>7s} {'kv tok':>8s} {'KV GB/s':>8s}")
-        for i in range(0, len(step_rows), 100):
-            chunk = step_rows[i:i + 100]
-            ms = sum(r[0] for r in chunk) / len(chunk)
-            kv = sum(r[3] for r in chunk) / len(chunk)
-            print(f"{i:5d}-{i + len(chunk) - 1:5d} {ms:8.2f} {sum(r[1] for r in chunk) / len(chunk):6.0f} "
-                  f"{sum(r[2] for r in chunk) / len(chunk):7.0f} {kv:8.0f} {kv * kv_tok / ms / 1e6:8.0f}")
+            json.dump(steps.rows, f)
+        print_step_log(steps.rows, kv_per_token)
 
     n_out = sum(len(o["token_ids"]) for o in outs)
     if n_out != sum(max_tokens):
         raise SystemExit(f"expected {sum(max_tokens)} output tokens, got {n_out}")
-    weight_bytes = model_bytes(mcfg, itemsize)
-    moved = steps["n"] * weight_bytes + steps["kv_tokens"] * kv_per_token
+    n_steps = len(steps.rows)
+    moved = n_steps * model_bytes(mcfg, itemsize) + sum(r[3] for r in steps.rows) * kv_per_token
+    seconds = lambda name: round(getattr(runner, name, 0.0), 2)  # noqa: E731  (a runner may not record it)
     res = {
         "label": ns.label, "model": os.path.basename(os.path.normpath(ns.model)), "arch": mcfg.architecture,
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "engine_args": {k: v for k, v in kwargs.items()},
+        "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+        "engine_args": dict(kwargs),
         "requests": len(prompts), "prompt_tokens": sum(map(len, prompts)), "output_tokens": n_out,
         "elapsed_s": round(elapsed, 3), "output_tok_s": round(n_out / elapsed, 1),
         "total_tok_s": round((n_out + sum(map(len, prompts))) / elapsed, 1),
-        "steps": steps["n"], "achieved_GB_s": round(moved / elapsed / 1e9, 1),
+        "steps": n_steps, "achieved_GB_s": round(moved / elapsed / 1e9, 1),
         "peak_gpu_mem_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
-        "startup_s": round(startup, 2), "cuda_graph_capture_s": round(getattr(runner, "capture_seconds", 0.0), 2),
-        "gemm_plan_s": round(getattr(runner, "gemm_plan_seconds", 0.0), 2),
-        "load_s": round(getattr(runner, "load_seconds", 0.0), 2),
-        "kv_sizing_s": round(getattr(runner, "kv_seconds", 0.0), 2),
+        "startup_s": round(startup, 2), "load_s": seconds("load_seconds"), "kv_sizing_s": seconds("kv_seconds"),
+        "gemm_plan_s": seconds("gemm_plan_seconds"), "cuda_graph_capture_s": seconds("capture_seconds"),
         "kv_blocks": eng.block_manager.num_blocks, "preemptions": eng.scheduler.num_preemptions,
         "async_scheduling": eng.async_scheduling,
     }
@@ -202,19 +152,16 @@ def main(argv=None) -> dict:
         res.update(power.summary())
         res["J_per_output_token"] = round(res["energy_J"] / n_out, 4)
     print(f"{res['model']}: {n_out} tokens in {elapsed:.2f}s = {res['output_tok_s']:.0f} output tok/s | "
-          f"{res['achieved_GB_s']} GB/s over {steps['n']} steps | peak {res['peak_gpu_mem_GiB']} GiB | "
+          f"{res['achieved_GB_s']} GB/s over {n_steps} steps | peak {res['peak_gpu_mem_GiB']} GiB | "
           f"startup {startup:.1f}s (model {res['load_s']}s, KV sizing {res['kv_sizing_s']}s, "
           f"GEMM plan {res['gemm_plan_s']}s, graphs {res['cuda_graph_capture_s']}s)")
     if power is not None:
         print(f"energy {res['energy_J']:.0f} J ({res['J_per_output_token'] * 1e3:.1f} mJ per output token) | "
               f"average power {res['avg_power_W']} W | median SM clock {res['sm_mhz_median']} MHz")
-    if isinstance(getattr(runner, "gemm_plan", None), dict):
-        from nanovllm.engine.gemm_plan import describe
-        print("GEMM plan:", describe(runner.gemm_plan))
     llm.shutdown()  # every rank writes its step timings here
     if timing_dir is not None:
         del os.environ[STEP_TIMING_ENV]
-        res["gpu_idle"] = report_gpu_idle(timing_dir, steps["n"])
+        res["gpu_idle"] = report_gpu_idle(timing_dir, n_steps)
     print(json.dumps(res))
     if ns.json:
         with open(ns.json, "a") as f:

@@ -1,8 +1,7 @@
-"""GPU energy and SM clock from NVIDIA's NVML, through ctypes (pynvml is not installed on the GPU machine).
+"""GPU energy and SM clock from NVIDIA's NVML, through ctypes (no Python package needed: libnvidia-ml.so.1 only).
 
 On one H200 the Qwen3-8B run draws the full 700 W for its whole length, so its speed follows the SM clock the
-GPU holds under that cap and the energy its steps spend (benchmarks/RESULTS.md runs 19-21). The benchmarks
-record both with ``PowerMonitor``.
+GPU holds under that cap (benchmarks/RESULTS.md). bench_offline.py records both with ``PowerMonitor``.
 """
 from __future__ import annotations
 

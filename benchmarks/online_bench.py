@@ -39,15 +39,18 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+
+from workload import offline_workload  # noqa: E402
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 # --- workload -----------------------------------------------------------------------------------------
 def reference_workload(num_requests: int = 256, seed: int = 0) -> tuple[list[list[int]], list[int]]:
-    """The reference workload (always drawn for 256 requests; the first `num_requests` are returned)."""
-    rng = random.Random(seed)
-    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(256)]
-    max_tokens = [rng.randint(100, 1024) for _ in range(256)]
+    """The reference workload (benchmarks/workload.py, always drawn for 256 requests; the first `num_requests`
+    are returned)."""
+    prompts, max_tokens = offline_workload(256, seed=seed)
     return prompts[:num_requests], max_tokens[:num_requests]
 
 

@@ -1,100 +1,57 @@
-"""Where does a step's time go? Host-side breakdown of engine.step() plus a kernel table.
+"""Where a step's time goes: the reference workload with per-GPU step timings and kernel tables of chosen steps.
 
     python benchmarks/profile_step.py --model benchmarks/models/qwen3-0.6b --load-format dummy
+    python benchmarks/profile_step.py --model benchmarks/models/qwen3-8b --load-format dummy --decode-at 600 \\
+        --tensor-parallel-size 2                  # any other flag goes to bench_offline.py (engine flags too)
 
-Runs the reference workload's first --num-seqs requests (outputs capped at --max-output-len) and reports
-mean milliseconds per step in: schedule, batch build, launch (host work to enqueue the step; with
-async scheduling off this includes waiting for the GPU), resolve (waiting for the sampled ids of a step
-and processing them) and the whole step. Then profiles a few decode steps with torch.profiler and
-prints the top kernels by GPU time.
+Runs bench_offline.py with --gpu-idle (each GPU's device time inside each kind of step and its idle time
+before it) and the runner's step profiler (NANOVLLM_PROFILE_STEPS) over --decode-steps decode steps from decode
+step --decode-at and one prefill (or mixed) step --prefill-at, then prints rank 0's kernel table of each (top
+--rows kernels by device time). Steps are counted from the runner's start, warm-up included. Every rank writes
+its own table and a Chrome trace into --out. The profiled steps slow the run: its tok/s is not a result.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-import time
-from collections import defaultdict
+import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
-from workload import offline_workload  # noqa: E402
+from bench_offline import main as bench_main  # noqa: E402
 
-from nanovllm import LLM, SamplingParams  # noqa: E402
-from nanovllm.cli import add_engine_args, engine_kwargs  # noqa: E402
-from nanovllm.engine import llm_engine as le  # noqa: E402
+from nanovllm.engine.step_timer import PROFILE_ENV  # noqa: E402
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--num-seqs", type=int, default=256)
-    ap.add_argument("--max-output-len", type=int, default=300)
-    ap.add_argument("--trace", default=None, help="write a chrome trace here")
-    add_engine_args(ap)
-    ns = ap.parse_args()
-    llm = LLM(ns.model, **{"max_model_len": 4096, **engine_kwargs(ns)})
-    eng = llm.engine
-    prompts, max_tokens = offline_workload(ns.num_seqs, 1024, ns.max_output_len)
-    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
-        eng.add_request(f"r{i}", p, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m))
-
-    cur = defaultdict(float)
-
-    def timed(name, fn):
-        def wrapper(*a, **k):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                cur[name] += (time.perf_counter() - t) * 1e3
-        return wrapper
-
-    eng.scheduler.schedule = timed("schedule", eng.scheduler.schedule)
-    le.build_step_batch = timed("build", le.build_step_batch)
-    for name in ("launch", "execute"):
-        if hasattr(eng.runner, name):
-            setattr(eng.runner, name, timed("launch", getattr(eng.runner, name)))
-    eng._resolve = timed("resolve", eng._resolve)
-    last_kind = {"k": "start"}
-    real_build = le.build_step_batch
-
-    def kind_build(out, bs):
-        b = real_build(out, bs)
-        last_kind["k"] = f"decode B>={len(b.seq_lens) // 32 * 32:3d}" if b.is_decode else "mixed/prefill"
-        return b
-
-    le.build_step_batch = kind_build
-    acc = defaultdict(lambda: defaultdict(float))
-    counts = defaultdict(int)
-    n_steps = 0
-    while eng.has_unfinished_requests():
-        cur.clear()
-        t = time.perf_counter()
-        eng.step()
-        cur["step"] = (time.perf_counter() - t) * 1e3
-        key = last_kind["k"]
-        for k, v in cur.items():
-            acc[key][k] += v
-        counts[key] += 1
-        n_steps += 1
-        if n_steps == 60 and torch.cuda.is_available():
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(5):
-                    eng.step()
-                torch.cuda.synchronize()
-            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
-            if ns.trace:
-                prof.export_chrome_trace(ns.trace)
-    print(f"async_scheduling={eng.async_scheduling}")
-    cols = ("schedule", "build", "launch", "resolve", "step")
-    print(f"{'step kind':20s} {'n':>5s} " + " ".join(f"{c:>9s}" for c in cols) + "  (ms/step)")
-    for key in sorted(acc):
-        n = counts[key]
-        print(f"{key:20s} {n:5d} " + " ".join(f"{acc[key][c] / n:9.3f}" for c in cols))
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)  # (the rest goes to bench_offline: no prefix matching)
+    ap.add_argument("--decode-at", type=int, default=100, help="first profiled decode step")
+    ap.add_argument("--decode-steps", type=int, default=3)
+    ap.add_argument("--prefill-at", type=int, default=2, help="the profiled prefill/mixed step")
+    ap.add_argument("--rows", type=int, default=25, help="kernels printed per table")
+    ap.add_argument("--out", default=None, help="directory for the tables and traces (default: a new temp dir)")
+    ns, bench_args = ap.parse_known_args(argv)
+    out = ns.out or tempfile.mkdtemp(prefix="nanovllm-profile-")
+    os.makedirs(out, exist_ok=True)
+    specs = {"decode": f"{out}/decode:{ns.decode_at}:{ns.decode_steps}:decode",
+             "prefill": f"{out}/prefill:{ns.prefill_at}:1:prefill"}
+    os.environ[PROFILE_ENV] = ",".join(specs.values())
+    try:
+        bench_main([*bench_args, "--gpu-idle", "--label", "profiled"])
+    finally:
+        del os.environ[PROFILE_ENV]
+    for kind in specs:
+        path = f"{out}/{kind}.rank0.txt"
+        if not os.path.exists(path):
+            print(f"\n{kind}: no table (no CUDA, or the run had fewer such steps)")
+            continue
+        with open(path) as f:
+            lines = f.read().splitlines()
+        print(f"\n{kind} ({path}):")
+        print("\n".join(lines[:ns.rows + 4]))  # our header, the table's header (3 lines), the top rows
+    print(f"\ntables and Chrome traces of every rank: {out}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """A tiny Qwen3 checkpoint briefly TRAINED on a periodic-copy task: a well-conditioned model for parity tests.
 
-    python benchmarks/train_tiny.py OUT_DIR                     # parity_bf16.py's architecture, 1000 steps, GPU
+    python benchmarks/train_tiny.py OUT_DIR                     # the parity tests' architecture, 1000 steps, GPU
     python benchmarks/train_tiny.py OUT_DIR --device cpu --small --steps 300 --seq-len 256 --batch-size 8
 
 A random checkpoint (nanovllm.utils.tiny_model) has near-tied logits almost everywhere, so in bf16 two correct
@@ -28,6 +28,7 @@ script is a plumbing check, not a way to get a trained model.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import math
@@ -40,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanovllm.utils.tiny_model import build_tiny_checkpoint  # noqa: E402
 
-# The architecture of benchmarks/parity_bf16.py (head_dim 128, GQA 4:1) and a small one for CPU runs.
+# The architecture of the GPU parity tests (tests/gpu: head_dim 128, GQA 4:1) and a small one for CPU runs.
 ARCH = dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2, head_dim=128, intermediate_size=1024)
 SMALL_ARCH = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=256)
 VOCAB = 480                       # token ids of the task: [0, VOCAB), all ordinary tokenizer ids
@@ -90,8 +91,6 @@ def _batch(gen, batch_size: int, seq_len: int, device):
 
 def _autocast(device):
     """bf16 autocast on a GPU (fp32 master weights); plain fp32 on the CPU."""
-    import contextlib
-
     import torch
 
     if torch.device(device).type == "cuda":
@@ -147,8 +146,6 @@ def train_copy_checkpoint(path: str, steps: int = STEPS, device: str = "cuda", s
     dtype_kw = "dtype" if "dtype" in inspect.signature(AutoModelForCausalLM.from_pretrained).parameters \
         or _transformers_major() >= 5 else "torch_dtype"
     model = AutoModelForCausalLM.from_pretrained(path, **{dtype_kw: torch.float32}).to(device)
-    if torch.device(device).type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
 
     # No weight decay on norms (1-D weights), as usual.
     params = [p for p in model.parameters() if p.requires_grad]
@@ -167,30 +164,31 @@ def train_copy_checkpoint(path: str, steps: int = STEPS, device: str = "cuda", s
     n_params = sum(p.numel() for p in params)
     print(f"training {n_params / 1e6:.2f}M params on {device}: {steps} steps x {batch_size} x {seq_len} tokens, "
           f"lr {lr}, warmup {warmup}")
-    t0 = time.perf_counter()
-    model.train()
-    running, mean = [], float("nan")
-    for step in range(steps):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step)
-        ids, tgt, mask = _batch(gen, batch_size, seq_len, device)
-        with _autocast(device):
-            logits = model(input_ids=ids).logits
-        loss = torch.nn.functional.cross_entropy(logits.float()[mask], tgt[mask])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        running.append(loss.detach())
-        if (step + 1) % log_every == 0 or step + 1 == steps:
-            mean = torch.stack(running).mean().item()
-            running = []
-            acc = (logits.detach().argmax(-1) == tgt)[mask].float().mean().item()
-            print(f"  step {step + 1:5d}  loss {mean:.4f}  batch acc {100 * acc:5.1f}%  lr {lr_at(step):.2e}  "
-                  f"{time.perf_counter() - t0:6.1f}s", flush=True)
-    train_s = time.perf_counter() - t0
+    with _tf32(device):
+        t0 = time.perf_counter()
+        model.train()
+        running, mean = [], float("nan")
+        for step in range(steps):
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step)
+            ids, tgt, mask = _batch(gen, batch_size, seq_len, device)
+            with _autocast(device):
+                logits = model(input_ids=ids).logits
+            loss = torch.nn.functional.cross_entropy(logits.float()[mask], tgt[mask])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            running.append(loss.detach())
+            if (step + 1) % log_every == 0 or step + 1 == steps:
+                mean = torch.stack(running).mean().item()
+                running = []
+                acc = (logits.detach().argmax(-1) == tgt)[mask].float().mean().item()
+                print(f"  step {step + 1:5d}  loss {mean:.4f}  batch acc {100 * acc:5.1f}%  lr {lr_at(step):.2e}  "
+                      f"{time.perf_counter() - t0:6.1f}s", flush=True)
+        train_s = time.perf_counter() - t0
 
-    stats = copy_accuracy(model, device, seq_len=seq_len)
+        stats = copy_accuracy(model, device, seq_len=seq_len)
     print(f"held-out copy accuracy {100 * stats['accuracy']:.2f}% over {stats['positions']} positions "
           f"({100 * stats['accuracy_after_2_periods']:.2f}% after two periods); "
           f"top-1/top-2 logit gap p1/p10/p50: {stats['gap_p1']:.2f}/{stats['gap_p10']:.2f}/{stats['gap_p50']:.2f}; "
@@ -212,6 +210,20 @@ def train_copy_checkpoint(path: str, steps: int = STEPS, device: str = "cuda", s
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
     return path
+
+
+@contextlib.contextmanager
+def _tf32(device):
+    """TF32 matmuls while training on a GPU; the process's own setting is restored afterwards (a test that
+    trains a model goes on to compare float32 engines)."""
+    import torch
+
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = old or torch.device(device).type == "cuda"
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
 
 
 def _transformers_major() -> int:

@@ -27,13 +27,26 @@ _HELP = {
     "scheduling_policy": "fcfs: prefill as early as the token budget allows; balanced: spread the prefill of a "
                          "batch known up front over the run (see engine/scheduler.py); auto (default): balanced "
                          "from 12 GiB of weights per GPU, else fcfs (the server defaults to fcfs)",
-    "tokenizer": "tokenizer directory (default: the model's)",
+    "tokenizer": "tokenizer directory or Hugging Face id (default: the model's)",
+    "revision": "revision (branch, tag or commit) of a Hugging Face model id",
+    "tokenizer_revision": "revision of a Hugging Face tokenizer id",
+    "download_dir": "Hugging Face cache directory (default: huggingface_hub's, e.g. ~/.cache/huggingface/hub)",
+    "trust_remote_code": "accepted for vLLM compatibility; no remote code ever runs",
     "quantization": "'fp8': quantize the decoder's projections to FP8 (e4m3) at load time, one scale per output "
                     "channel, activations per token (default: none, or the checkpoint's own quantization_config: "
                     "block-FP8 checkpoints such as Qwen3-*-FP8 load as they are)",
     "kv_cache_dtype": "'auto' (default: the model dtype) or 'fp8' / 'fp8_e4m3': e4m3 K/V with a float32 scale per "
                       "token and KV head (about 1.9x the tokens per GiB)",
 }
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each flag's default (flags whose default is "not given" say theirs in their text)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.help is None:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("model",)) -> None:
@@ -44,13 +57,16 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("m
             continue
         flag = "--" + f.name.replace("_", "-")
         default = f.default
+        text = _HELP.get(f.name, "")
+        if default is not None and "default" not in text:
+            text += f" (default: {default})"
         if isinstance(default, bool) or "bool" in str(f.type):
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=_HELP.get(f.name))
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
             typ = {int: int, float: float}.get(type(default), str)
             if f.name in ("max_model_len", "max_num_batched_tokens", "num_kvcache_blocks"):
                 typ = int
-            group.add_argument(flag, type=typ, default=None, help=_HELP.get(f.name))
+            group.add_argument(flag, type=typ, default=None, help=text)
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict:
@@ -59,25 +75,39 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
             if f.name != "model" and getattr(ns, f.name, None) is not None}
 
 
+def default_model(model: str | None) -> str:
+    """The model to load: the one given, else the built-in tiny model (random weights, said so on stderr)."""
+    if model is not None:
+        return model
+    from nanovllm.utils.tiny_model import ensure_default_tiny_model
+    model = ensure_default_tiny_model()
+    print(f"[nanovllm] no model given: using a built-in tiny model with RANDOM weights at {model}\n"
+          f"[nanovllm] its output is gibberish by design; pass a checkpoint directory or a Hugging Face id",
+          file=sys.stderr)
+    return model
+
+
+def check_engine_args(model: str | None, kwargs: dict) -> None:
+    """Engine flags checked against this machine before any model is loaded or downloaded (ValueError/TypeError)."""
+    from nanovllm.config import resolve_device
+    resolve_device(EngineArgs.from_kwargs(model or ".", **kwargs))
+
+
 def _generate(ns: argparse.Namespace) -> int:
     from nanovllm import LLM, SamplingParams
-    model = ns.model
-    if model is None:
-        from nanovllm.utils.tiny_model import ensure_default_tiny_model
-        model = ensure_default_tiny_model()
-        print(f"[nanovllm] no --model given: using a built-in tiny model with RANDOM weights at {model}\n"
-              f"[nanovllm] its output is gibberish by design; pass --model DIR for a real checkpoint",
-              file=sys.stderr)
+    params = SamplingParams(n=ns.n, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p,
+                            max_tokens=ns.max_tokens, seed=ns.sampling_seed, ignore_eos=ns.ignore_eos,
+                            stop=ns.stop or None, logprobs=ns.logprobs)
     kwargs = engine_kwargs(ns)
+    check_engine_args(ns.model, kwargs)
+    model = default_model(ns.model)
     t0 = time.perf_counter()
     llm = LLM(model, **kwargs)
     print(f"[nanovllm] engine ready in {time.perf_counter() - t0:.1f}s "
           f"(device={llm.engine.config.device}, dtype={llm.engine.config.dtype}, "
           f"kv blocks={llm.engine.block_manager.num_blocks})", file=sys.stderr)
-    params = SamplingParams(temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p,
-                            max_tokens=ns.max_tokens, seed=ns.sampling_seed, ignore_eos=ns.ignore_eos,
-                            stop=ns.stop or None)
     prompts = ns.prompt or ["Hello, Nano-vLLM.", "The capital of France is"]
+    t0 = time.perf_counter()
     try:
         if ns.chat:
             outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=not ns.quiet)
@@ -85,9 +115,22 @@ def _generate(ns: argparse.Namespace) -> int:
             outs = llm.generate(prompts, params, use_tqdm=not ns.quiet)
     finally:
         llm.shutdown()
+    seconds = time.perf_counter() - t0
     for p, o in zip(prompts, outs):
-        print(f"\nPrompt: {p!r}\nOutput: {o['text']!r}\n"
-              f"  ({len(o['token_ids'])} tokens, finish_reason={o['finish_reason']})")
+        print(f"\nPrompt: {p!r}")
+        for c in o.outputs:
+            label = "Output" if len(o.outputs) == 1 else f"Output {c.index}"
+            print(f"{label}: {c.text!r}\n  ({len(c.token_ids)} tokens, finish_reason={c.finish_reason}"
+                  + (f", cumulative_logprob={c.cumulative_logprob:.3f}" if c.cumulative_logprob is not None else "")
+                  + ")")
+            if c.logprobs is not None:
+                for tok, pos in zip(c.token_ids, c.logprobs):
+                    top = ", ".join(f"{lp.decoded_token!r}:{lp.logprob:.2f}" for lp in
+                                    sorted(pos.values(), key=lambda lp: lp.rank))
+                    print(f"    {pos[tok].decoded_token!r} rank {pos[tok].rank}: {top}")
+    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    print(f"[nanovllm] {len(outs)} requests, {tokens} tokens in {seconds:.2f}s, "
+          f"{tokens / max(seconds, 1e-9):.1f} tok/s")
     return 0
 
 
@@ -95,18 +138,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanovllm", description="Nano-vLLM: a small, fast LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate text offline for one or more prompts")
+    g = sub.add_parser("generate", help="generate text offline for one or more prompts", formatter_class=HelpFormatter)
     g.add_argument("--model", default=None,
-                   help="Hugging Face checkpoint directory (default: a built-in tiny random model)")
+                   help="checkpoint directory or Hugging Face id (default: a built-in tiny model, random weights)")
     g.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     g.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.6)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens per sample at most")
+    g.add_argument("--temperature", type=float, default=0.6, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the most likely")
     g.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--n", type=int, default=1, help="samples per prompt")
+    g.add_argument("--logprobs", type=int, default=None, help="print each token's logprob and this many top ones")
+    g.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
     g.add_argument("--stop", action="append", help="stop string (repeat for several)")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     add_engine_args(g)

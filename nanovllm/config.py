@@ -44,6 +44,10 @@ class EngineArgs:
     attention_backend: str = "auto"
     async_scheduling: bool | None = None
     scheduling_policy: str = "auto"
+    revision: str | None = None            # of a Hugging Face model id (a branch, tag or commit)
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None        # Hugging Face cache directory (default: huggingface_hub's)
+    trust_remote_code: bool = False        # accepted for vLLM scripts; no remote code ever runs
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
 
@@ -72,6 +76,12 @@ class EngineArgs:
 
         if not isinstance(self.model, (str, os.PathLike)):
             raise TypeError(f"model must be a path string, got {type(self.model).__name__} {self.model!r}")
+        for name in ("revision", "tokenizer_revision", "download_dir", "tokenizer"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, (str, os.PathLike)):
+                raise TypeError(f"{name} must be a string, got {type(v).__name__} {v!r}")
+        if not isinstance(self.trust_remote_code, bool):
+            raise TypeError(f"trust_remote_code must be a bool, got {self.trust_remote_code!r}")
         need("device", self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:"),
              "'auto', 'cpu' or 'cuda'")
         need("dtype", self.dtype == "auto" or self.dtype in _DTYPES,
@@ -104,6 +114,21 @@ class EngineArgs:
 
 
 SCHEDULING_POLICIES = ("fcfs", "balanced")  # see nanovllm.engine.scheduler
+
+
+def resolve_device(args: EngineArgs) -> torch.device:
+    """The device `args` asks for, checked against this machine (before anything loads): CUDA must be there for
+    device='cuda' and for the triton attention backend (unless Triton runs under its CPU interpreter)."""
+    if args.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(args.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={args.device!r} but CUDA is not available; use device='cpu'")
+    if args.attention_backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("attention_backend='triton' needs a CUDA GPU (none is available here); use 'auto' or "
+                         "'torch'")
+    return device
 
 # scheduling_policy="auto" picks "balanced" from this many bytes of weights per GPU. Measured on an H200
 # (benchmarks/RESULTS.md run 17), balanced against fcfs: Qwen3-8B at TP=1 (16.4 GB per GPU) +3-5%, at TP=2
@@ -242,19 +267,12 @@ class EngineConfig:
 
     @classmethod
     def resolve(cls, args: EngineArgs) -> EngineConfig:
-        model_dir = os.fspath(args.model)
-        if not os.path.isdir(model_dir):
-            raise ValueError(f"model directory {model_dir!r} does not exist")
+        device = resolve_device(args)
+        from nanovllm.utils.hub import resolve_model_dir
+        model_dir = resolve_model_dir(args.model, args.revision, args.download_dir)
         mcfg = ModelConfig.from_dir(model_dir)
         from nanovllm.models.registry import check_supported
         check_supported(mcfg)
-
-        if args.device == "auto":
-            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        else:
-            device = torch.device(args.device)
-            if device.type == "cuda" and not torch.cuda.is_available():
-                raise ValueError(f"device={args.device!r} but CUDA is not available; use device='cpu'")
 
         if args.dtype != "auto":
             dtype = _DTYPES[args.dtype]

@@ -6,6 +6,8 @@ import time
 
 from nanovllm.config import EngineArgs
 from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.output import request_output
+from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -35,13 +37,14 @@ def _normalize_prompts(prompts) -> list:
 class LLM:
     """Offline batched generation.
 
-    >>> llm = LLM("/path/to/Qwen3-0.6B")
-    >>> llm.generate(["Hello"], SamplingParams(temperature=0.6, max_tokens=64))[0]["text"]
+    >>> llm = LLM("Qwen/Qwen3-0.6B")          # a local directory, or a Hugging Face model id
+    >>> llm.generate(["Hello"], SamplingParams(temperature=0.6, max_tokens=64))[0].outputs[0].text
     """
 
     def __init__(self, model: str, **engine_args):
         self.engine = LLMEngine(EngineArgs.from_kwargs(model, **engine_args))
         self._request_ids = itertools.count()
+        self._token_text: dict[int, str] = {}
 
     @property
     def tokenizer(self):
@@ -51,9 +54,9 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[dict]:
-        """Generate for every prompt; returns one dict per prompt, in order, with `text`, `token_ids`,
-        `prompt_token_ids` and `finish_reason` (plus `logprobs` when asked for).
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; returns one RequestOutput per prompt, in order (its `n` samples in
+        `outputs`). nano-vllm's `out["text"]`, `out["token_ids"]`, ... read the first sample.
 
         Every prompt and parameter set is validated before any request is queued: a bad one raises
         ValueError/TypeError and leaves the engine as it was."""
@@ -82,10 +85,22 @@ class LLM:
             for rid in ids:
                 self.engine.abort_request(rid)
             raise
-        return [results[rid].to_dict() for rid in ids]
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        return [request_output(rid, text, results[rid], self._decode_token) for rid, text in zip(ids, texts)]
+
+    def _decode_token(self, tid: int) -> str | None:
+        tok = self.engine.tokenizer
+        if tok is None:
+            return None
+        s = self._token_text.get(tid)
+        if s is None:
+            s = self._token_text[tid] = tok.decode([tid])
+        return s
 
     def _run(self, pending: set[str], use_tqdm: bool) -> dict:
-        results = {}
+        """Step until every pending request has finished: request id -> its samples' final StepOutputs."""
+        results: dict[str, list] = {}
+        left = {rid: len(self.engine.requests[rid]) for rid in pending}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
@@ -102,10 +117,12 @@ class LLM:
                     decode_tps = n_decode / dt
                 for out in outputs:
                     if out.finished and out.request_id in pending:
-                        pending.discard(out.request_id)
-                        results[out.request_id] = out
-                        if bar is not None:
-                            bar.update(1)
+                        results.setdefault(out.request_id, []).append(out)
+                        left[out.request_id] -= 1
+                        if not left[out.request_id]:
+                            pending.discard(out.request_id)
+                            if bar is not None:
+                                bar.update(1)
                 if bar is not None:
                     bar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s")
         finally:
@@ -114,7 +131,7 @@ class LLM:
         return results
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict | None = None) -> list[dict]:
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"}) or a list of them."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts (or a list of such lists)")

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random checkpoints (built once per session) and transformers references."""
+"""Shared fixtures: tiny random checkpoints (built once per session), transformers references; gpu tests skipped
+without CUDA."""
 from __future__ import annotations
 
 import os
@@ -24,6 +25,16 @@ PROMPT_LENS = [1, 2, 3, 5, 8, 15, 16, 17, 31, 33, 64, 100, 150, 200, 255, 257, 3
 def make_prompts(lens=PROMPT_LENS, seed=0, high=450) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(high) for _ in range(n)] for n in lens]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked gpu (tests/gpu) need CUDA: skipped without it, so plain `pytest` on a CPU reports them."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (run `pytest -m gpu` on a GPU machine)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -132,12 +132,13 @@ def test_ignore_eos_and_max_tokens(llm):
 def test_logprobs(llm):
     out = llm.generate(make_prompts([10]), SamplingParams(temperature=0.0, max_tokens=5, logprobs=3),
                        use_tqdm=False)[0]
-    lps = out["logprobs"]
-    assert len(lps) == 5
-    for tok, lp in zip(out["token_ids"], lps):
-        assert lp["token_id"] == tok and lp["logprob"] <= 0
-        assert len(lp["top"]) == 3 and lp["top"][0][0] == tok  # greedy picks the most likely
-        assert lp["top"][0][1] == pytest.approx(lp["logprob"])
+    lps = out["logprobs"]                       # vLLM's format: {token id: Logprob} per output token
+    assert lps is out.outputs[0].logprobs and len(lps) == 5
+    for tok, pos in zip(out["token_ids"], lps):
+        assert len(pos) == 3 and pos[tok].rank == 1 and pos[tok].logprob <= 0  # greedy picks the most likely
+        ranked = sorted(pos.values(), key=lambda lp: lp.rank)
+        assert [lp.rank for lp in ranked] == [1, 2, 3]
+        assert ranked[0].logprob >= ranked[1].logprob >= ranked[2].logprob
 
 
 def test_max_tokens_capped_by_context(tiny_ckpt):

@@ -144,6 +144,10 @@ class TPStep:
         self.step = step
         self._result = _NO_RESULT
 
+    def sample(self, late) -> None:
+        raise RuntimeError("deferred sampling (structured outputs, multi-token bad words) is not supported with "
+                           "tensor parallelism; such requests are rejected at validation")
+
     def result(self):
         if self._result is _NO_RESULT:
             self._executor._wait_result(self)

@@ -12,6 +12,31 @@ from nanovllm.engine.sequence import PLACEHOLDER
 
 
 @dataclass
+class FeatureBatch:
+    """The logits rows whose sequence keeps sampler state in a slot of the runner (penalties, logit_bias,
+    allowed_token_ids, one-token bad words; `layers/logits_processing.py`), and the slots set up this step."""
+    rows: list[int] = field(default_factory=list)          # logits rows
+    slots: list[int] = field(default_factory=list)         # their sequence's slot
+    presence: list[float] = field(default_factory=list)
+    frequency: list[float] = field(default_factory=list)
+    repetition: list[float] = field(default_factory=list)
+    penalized: bool = False        # some row has a penalty
+    biased: bool = False           # some row has a bias (logit_bias, allowed_token_ids, one-token bad words)
+    # slots new this step, initialised on the device before sampling: counts zeroed and prompt tokens marked
+    # (penalties); bias row zeroed, or -inf but for the allowed tokens, then the (token, bias) entries added
+    init_slots: list[int] = field(default_factory=list)
+    init_penalized: list[bool] = field(default_factory=list)
+    init_allow_only: list[bool] = field(default_factory=list)  # allowed_token_ids: the row starts at -inf
+    prompt_slots: list[int] = field(default_factory=list)      # (slot, prompt token) pairs
+    prompt_tokens: list[int] = field(default_factory=list)
+    allow_slots: list[int] = field(default_factory=list)       # (slot, allowed token) pairs
+    allow_tokens: list[int] = field(default_factory=list)
+    bias_slots: list[int] = field(default_factory=list)        # (slot, token, bias) entries; -inf bans
+    bias_tokens: list[int] = field(default_factory=list)
+    bias_values: list[float] = field(default_factory=list)
+
+
+@dataclass
 class SamplingBatch:
     """Sampling parameters of the step's logits rows, row by row."""
     temperatures: list[float] = field(default_factory=list)
@@ -22,6 +47,10 @@ class SamplingBatch:
     steps: list[int] = field(default_factory=list)        # output position being sampled
     banned: list[tuple[int, int]] = field(default_factory=list)  # (row, token id) held back (min_tokens)
     logprobs: list[int | None] = field(default_factory=list)
+    features: FeatureBatch | None = None  # None: no row keeps sampler state
+    # some row's token mask (structured outputs) or bans (multi-token bad words) depend on the previous step's
+    # tokens: the runner stops before sampling until the engine hands them over (PendingStep.sample)
+    deferred: bool = False
 
 
 @dataclass
@@ -46,6 +75,12 @@ class StepBatch:
     # sampled ids, still on the device
     placeholder_pos: list[int] = field(default_factory=list)
     placeholder_rows: list[int] = field(default_factory=list)
+    # prompt_logprobs: token rows whose next prompt token's log-probability is wanted, that token, the sequence
+    # (index into B) of each row, and the most top tokens asked for
+    prompt_lp_rows: list[int] = field(default_factory=list)
+    prompt_lp_targets: list[int] = field(default_factory=list)
+    prompt_lp_seqs: list[int] = field(default_factory=list)
+    prompt_lp_k: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -65,6 +100,45 @@ class StepBatch:
         return self.num_decode == self.num_seqs > 0
 
 
+@dataclass
+class LateInputs:
+    """What a deferred step's sampler gets once the previous step's tokens are known: structured outputs' token
+    bitmasks (xgrammar's int32 words, bit j of word w = token 32 w + j allowed) for `mask_rows`, and banned
+    (row, token) pairs (multi-token bad words)."""
+    mask_rows: list[int] = field(default_factory=list)
+    bitmask: object = None          # (len(mask_rows), ceil(V / 32)) int32 CPU tensor, or None
+    banned: list[tuple[int, int]] = field(default_factory=list)
+
+
+def _add_features(fb: FeatureBatch, row: int, seq) -> None:
+    p = seq.params
+    fb.rows.append(row)
+    fb.slots.append(seq.sampler_slot)
+    fb.presence.append(float(p.presence_penalty))
+    fb.frequency.append(float(p.frequency_penalty))
+    fb.repetition.append(float(p.repetition_penalty))
+    fb.penalized |= p.uses_penalties
+    fb.biased |= seq.static_bias is not None
+    if not seq.slot_fresh:
+        return
+    seq.slot_fresh = False
+    s = seq.sampler_slot
+    fb.init_slots.append(s)
+    fb.init_penalized.append(p.uses_penalties)
+    fb.init_allow_only.append(p.allowed_token_ids is not None)
+    if p.uses_penalties:
+        prompt = sorted(set(seq.prompt_token_ids))
+        fb.prompt_slots.extend([s] * len(prompt))
+        fb.prompt_tokens.extend(prompt)
+    if seq.static_bias is not None:
+        allowed, entries = seq.static_bias
+        fb.allow_slots.extend([s] * len(allowed))
+        fb.allow_tokens.extend(allowed)
+        fb.bias_slots.extend([s] * len(entries))
+        fb.bias_tokens.extend(t for t, _ in entries)
+        fb.bias_values.extend(v for _, v in entries)
+
+
 def build_step_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
     input_ids: list[int] = []
     positions: list[int] = []
@@ -77,6 +151,11 @@ def build_step_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
     sb = SamplingBatch()
     ph_pos: list[int] = []
     ph_rows: list[int] = []
+    fb = FeatureBatch()
+    plp_rows: list[int] = []
+    plp_targets: list[int] = []
+    plp_seqs: list[int] = []
+    plp_k = 0
     for b, (seq, n) in enumerate(zip(out.seqs, out.num_new_tokens)):
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
         if seq.token_ids[end - 1] == PLACEHOLDER:  # only ever the last token, sampled by the step in flight
@@ -92,6 +171,13 @@ def build_step_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
             base = table[blk] * block_size + off
             slots.extend(range(base, base + run))
             pos += run
+        if seq.prompt_logprobs is not None:  # rows q predict prompt token q + 1; skip those already recorded
+            first, last = max(start, len(seq.prompt_logprobs) - 1), min(end, seq.num_prompt_tokens - 1)
+            if first < last:
+                plp_rows.extend(range(cu[-1] + first - start, cu[-1] + last - start))
+                plp_targets.extend(seq.token_ids[first + 1:last + 1])
+                plp_seqs.extend([b] * (last - first))
+                plp_k = max(plp_k, seq.params.prompt_logprobs)
         cu.append(cu[-1] + n)
         seq_lens.append(end)
         tables.append(table)
@@ -110,7 +196,14 @@ def build_step_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
             sb.logprobs.append(p.logprobs)
             if step < p.min_tokens:
                 sb.banned.extend((row, t) for t in seq.stop_ids)
+            if seq.sampler_slot is not None:
+                _add_features(fb, row, seq)
+            sb.deferred |= seq.deferred_sampling
+    if fb.rows:
+        sb.features = fb
     return StepBatch(input_ids=input_ids, positions=positions, slot_mapping=slots, cu_seqlens_q=cu,
                      seq_lens=seq_lens, block_tables=tables, max_seqlen_q=max(out.num_new_tokens, default=0),
                      logits_indices=logits_indices, logits_seqs=logits_seqs, sampling=sb,
-                     num_decode=out.num_decode, placeholder_pos=ph_pos, placeholder_rows=ph_rows)
+                     num_decode=out.num_decode, placeholder_pos=ph_pos, placeholder_rows=ph_rows,
+                     prompt_lp_rows=plp_rows, prompt_lp_targets=plp_targets, prompt_lp_seqs=plp_seqs,
+                     prompt_lp_k=plp_k)

@@ -71,10 +71,11 @@ class BlockManager:
         """Blocks already holding a prefix of `seq.token_ids`, and their hashes.
 
         At least one token is always left to compute (a full hit still recomputes its last token, whose
-        logits are needed to sample the next one).
+        logits are needed to sample the next one). A sequence that wants its prompt's log-probabilities gets no
+        hit.
         """
-        if not self.enable_prefix_caching:
-            return [], []
+        if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
+            return [], []  # (prompt log-probabilities need every prompt row computed)
         bs = self.block_size
         hits: list[int] = []
         hashes: list[int] = []

@@ -12,12 +12,21 @@ from nanovllm.engine.batch import StepBatch
 class StepResult:
     """What one step produced, on the host, row by row over the batch's logits rows."""
     token_ids: list[int]
-    logprobs: list[float] | None = None
+    logprobs: list[float] | None = None      # raw log-probability of each sampled token (when asked for)
+    ranks: list[int] | None = None           # its 1-based rank
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    # prompt_logprobs: per StepBatch.prompt_lp_rows row, the next prompt token's, its rank, the top tokens
+    prompt_logprobs: list[float] | None = None
+    prompt_ranks: list[int] | None = None
+    prompt_top_ids: list[list[int]] | None = None
+    prompt_top_logprobs: list[list[float]] | None = None
 
 
 class StepHandle(Protocol):
+    def sample(self, late) -> None:
+        """Sample a deferred step (StepBatch.sampling.deferred) with its LateInputs; before the next launch."""
+
     def result(self) -> StepResult | None:
         """Wait for the step; its StepResult (on the rank that samples; None on the others)."""
 

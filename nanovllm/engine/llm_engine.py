@@ -2,7 +2,9 @@
 
     add_request -> Scheduler.schedule -> build_step_batch -> ModelRunner.launch -> _resolve -> outputs
 
-Everything a user can get wrong is checked in `validate_request`, before any state changes.
+Everything a user can get wrong is checked in `validate_request`, before any state changes. A request with
+`n` samples is n sequences (sample i seeded with seed + i); the scheduler admits samples 1.. once sample 0's
+prompt blocks are in the prefix cache, so they share them.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.cuda_graphs import mixed_graph_sizes
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, find_stop
 from nanovllm.engine.executor import Executor
+from nanovllm.engine.output import StepOutput
+from nanovllm.engine.sampling_features import RequestFeatures, SlotAllocator, late_inputs, request_features
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
@@ -28,36 +32,17 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class RequestOutput:
-    """A request's progress after a step (emitted every step for streamed requests, else once at the end)."""
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]               # all output tokens (filled once finished; streamed: new_token_ids)
-    new_token_ids: list[int]           # produced by this step
-    text: str                          # output text so far (final text once finished)
-    new_text: str                      # text produced by this step (streamed requests)
-    finished: bool
-    finish_reason: str | None = None   # "stop" | "length" | "abort"
-    stop_reason: str | int | None = None
-    logprobs: list[dict] | None = None         # per output token: {"token_id", "logprob", "top": [(id, lp)]}
-    new_logprobs: list[dict] | None = None
-    num_cached_tokens: int = 0
-    metrics: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        d = {"request_id": self.request_id, "text": self.text, "token_ids": self.token_ids,
-             "prompt_token_ids": self.prompt_token_ids, "finish_reason": self.finish_reason}
-        if self.logprobs is not None:
-            d["logprobs"] = self.logprobs
-        return d
-
-
-@dataclass
 class ValidRequest:
     """A prompt and params that passed validation; adding it cannot fail."""
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int
+    features: RequestFeatures = field(default_factory=RequestFeatures)
+
+
+def _entry(tok: int, logprob: float, rank: int, top_ids, top_lps) -> dict:
+    """A log-probability entry (engine/output.py): the chosen token's, its rank, the top tokens in rank order."""
+    return {"token_id": tok, "logprob": logprob, "rank": rank, "top": list(zip(top_ids, top_lps))}
 
 
 def _load_tokenizer(path: str):
@@ -88,7 +73,11 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.config = EngineConfig.resolve(args)
         try:
-            self.tokenizer = _load_tokenizer(args.tokenizer or self.config.model_dir)
+            tok_dir = self.config.model_dir
+            if args.tokenizer is not None:
+                from nanovllm.utils.hub import resolve_model_dir
+                tok_dir = resolve_model_dir(args.tokenizer, args.tokenizer_revision, args.download_dir, "tokenizer")
+            self.tokenizer = _load_tokenizer(tok_dir)
         except ValueError:
             if args.load_format != "dummy":
                 raise
@@ -102,7 +91,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, self.config.scheduling_policy,
                                    step_sizes=mixed_graph_sizes(self.config))
-        self.requests: dict[str, Sequence] = {}
+        self.requests: dict[str, list[Sequence]] = {}   # request id -> its samples
+        self.slots = SlotAllocator()
+        self._structured = None  # StructuredOutputs, built at the first structured request
         # async scheduling: the launched step whose tokens are not read yet, with its (seq, row) pairs
         self._inflight: tuple | None = None
         self.async_scheduling = self.config.async_scheduling
@@ -158,36 +149,67 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids {params.stop_token_ids} include ids outside the vocabulary [0, {V})")
         room = max(1, L - len(ids))
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        return ValidRequest(ids, params, max_tokens)
+        structured = self.structured if params.structured_outputs is not None else None
+        features = request_features(params, V, self.tokenizer, structured, self.config.args.tensor_parallel_size)
+        return ValidRequest(ids, params, max_tokens, features)
+
+    @property
+    def structured(self):
+        """The engine's grammars (engine/structured.py), built on first use."""
+        if self._structured is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs need a tokenizer, and this engine has none")
+            from nanovllm.engine.structured import StructuredOutputs
+            self._structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._structured
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, *,
-                    stream: bool = False) -> Sequence:
-        """Validate and queue a request. `stream` makes step() report it every step, with text deltas."""
+                    stream: bool = False) -> list[Sequence]:
+        """Validate and queue a request (its `n` samples). `stream` makes step() report each sample every step,
+        with text deltas."""
         req = prompt if isinstance(prompt, ValidRequest) else self.validate_request(prompt, params)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        p = req.params
+        p, f = req.params, req.features
         stop_ids = set(p.stop_token_ids or ())
         if not p.ignore_eos:
             stop_ids |= self.eos_token_ids
-        seed = p.seed if p.seed is not None else self._noise_rng.getrandbits(63)
-        seq = Sequence(next(self._seq_ids), request_id, req.prompt_token_ids, p, req.max_tokens,
-                       frozenset(stop_ids), seed)
-        seq.stream = stream
-        if (stream or p.stop_strings) and self.tokenizer is not None:
-            seq.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens)
-        seq.arrival_time = time.monotonic()
-        self.requests[request_id] = seq
-        self.scheduler.add(seq)
-        return seq
+        seqs: list[Sequence] = []
+        now = time.monotonic()
+        for i in range(p.n):
+            if p.seed is not None:  # sample i: seed + i (vLLM's rule), wrapped to 64 bits
+                seed = (p.seed + i + (1 << 63)) % (1 << 64) - (1 << 63)
+            else:
+                seed = self._noise_rng.getrandbits(63)
+            seq = Sequence(next(self._seq_ids), request_id, req.prompt_token_ids, p, req.max_tokens,
+                           frozenset(stop_ids), seed, index=i, leader=seqs[0] if seqs else None)
+            seq.stream = stream
+            seq.static_bias, seq.bad_word_ids = f.static_bias, f.bad_word_ids
+            if f.grammar is not None:
+                seq.matcher = self.structured.matcher(f.grammar)
+            if (stream or p.stop_strings) and self.tokenizer is not None:
+                seq.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens)
+            seq.arrival_time = now
+            seqs.append(seq)
+        self.requests[request_id] = seqs
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return seqs
 
     def abort_request(self, request_id: str) -> bool:
-        """Drop a request and free its blocks at once; False if it is unknown or already done."""
-        seq = self.requests.pop(request_id, None)
-        if seq is None or seq.is_finished:
+        """Drop a request (all its samples) and free its blocks at once; False if it is unknown or already done."""
+        seqs = self.requests.pop(request_id, None)
+        if seqs is None or all(s.is_finished for s in seqs):
             return False
-        self.scheduler.finish(seq, "abort")
+        for seq in seqs:
+            self._finish(seq, "abort")
         return True
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if not seq.is_finished:
+            self.scheduler.finish(seq, reason)
+        self.slots.release(seq)
+        seq.matcher = None
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
@@ -201,7 +223,7 @@ class LLMEngine:
         return len(self.scheduler.waiting)
 
     # --- one step ----------------------------------------------------------------------------------
-    def step(self) -> tuple[list[RequestOutput], int, int]:
+    def step(self) -> tuple[list[StepOutput], int, int]:
         """Schedule and launch one step, and process the tokens of the step before it (async scheduling)
         or of this one (otherwise).
 
@@ -211,33 +233,44 @@ class LLMEngine:
         launched = None
         num_prefill = 0
         if sched:
+            self.slots.assign(sched.seqs, sched.num_new_tokens)
             batch = build_step_batch(sched, self.config.block_size)
             # prompt tokens (or tokens recomputed after a preemption) this step computes: all but the decode rows
             # whose token is an output token
             num_prefill = sched.num_tokens - sum(1 for s in sched.seqs[:sched.num_decode] if s.num_output_tokens)
-            handle = self.runner.launch(batch) if self.async_scheduling else self.runner.execute(batch)
-            launched = (handle, sched)
+            deferred = batch.sampling.deferred
+            # a deferred step stops before sampling: its masks / bans are filled below, once the tokens before it
+            # are known (engine/structured.py)
+            handle = self.runner.launch(batch) if self.async_scheduling or deferred else self.runner.execute(batch)
+            launched = (handle, sched, batch)
         outputs, num_sampled = [], 0
         if self._inflight is not None:  # the previous step's tokens (its successor is already queued)
-            prev_handle, prev_pending = self._inflight
-            outputs, num_sampled = self._resolve(prev_handle.result(), prev_pending)
+            prev_handle, prev_pending, prev_batch = self._inflight
+            outputs, num_sampled = self._resolve(prev_handle.result(), prev_pending, prev_batch)
             self._inflight = None
         if launched is not None:
-            handle, sched = launched
+            handle, sched, batch = launched
             pending = self.scheduler.on_step_done(sched)
+            if batch.sampling.deferred:
+                handle.sample(late_inputs(pending, self._structured))
             if self.async_scheduling:
-                self._inflight = (handle, pending)
+                self._inflight = (handle, pending, (batch, sched.seqs))
             else:
-                outputs, num_sampled = self._resolve(handle, pending)  # execute() gave the result itself
+                result = handle.result() if batch.sampling.deferred else handle  # execute() gave the result itself
+                outputs, num_sampled = self._resolve(result, pending, (batch, sched.seqs))
         elif self.scheduler.has_unfinished() and not outputs and not num_sampled:
             raise RuntimeError("scheduler made no progress with requests pending (KV cache too small?)")
         self.num_prompt_tokens += num_prefill
         self.num_generation_tokens += num_sampled
         return outputs, num_prefill, num_sampled
 
-    def _resolve(self, result, pending: list[tuple[Sequence, int]]) -> tuple[list[RequestOutput], int]:
-        """Put a step's sampled tokens in place of its placeholders, then check each sequence for a stop."""
+    def _resolve(self, result, pending: list[tuple[Sequence, int]], step) -> tuple[list[StepOutput], int]:
+        """Put a step's sampled tokens in place of its placeholders, then check each sequence for a stop.
+        `step`: (the StepBatch, its sequences), for the prompt log-probabilities it computed."""
         now = time.monotonic()
+        batch, seqs = step
+        if batch.prompt_lp_rows:
+            self._record_prompt_logprobs(result, batch, seqs)
         outputs = []
         for seq, row in pending:
             if seq.is_finished:  # aborted while its step was in flight
@@ -248,17 +281,34 @@ class LLMEngine:
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if seq.logprobs is not None:
-                entry = {"token_id": tok, "logprob": result.logprobs[row]}
                 k = seq.params.logprobs
-                entry["top"] = list(zip(result.top_ids[row][:k], result.top_logprobs[row][:k])) if k else []
-                seq.logprobs.append(entry)
+                seq.logprobs.append(_entry(tok, result.logprobs[row], result.ranks[row],
+                                           result.top_ids[row][:k] if k else (), result.top_logprobs[row][:k] if k
+                                           else ()))
             reason = self._check_stop(seq, tok)
+            if reason is None and seq.matcher is not None and not seq.matcher.accept_token(tok):
+                logger.warning("request %s: token %d breaks its grammar; finishing it", seq.request_id, tok)
+                reason = "abort"
             if reason is not None:
-                self.scheduler.finish(seq, reason)
-                self.requests.pop(seq.request_id, None)
+                self._finish(seq, reason)
+                if all(s.is_finished for s in self.requests.get(seq.request_id, ())):
+                    self.requests.pop(seq.request_id, None)
             if seq.is_finished or seq.stream:
                 outputs.append(self._make_output(seq, now))
         return outputs, len(pending)
+
+    @staticmethod
+    def _record_prompt_logprobs(result, batch, seqs: list[Sequence]) -> None:
+        k = batch.prompt_lp_k
+        for i, (b, target) in enumerate(zip(batch.prompt_lp_seqs, batch.prompt_lp_targets)):
+            seq = seqs[b]
+            if seq.prompt_logprobs is None or seq.is_finished:
+                continue
+            want = seq.params.prompt_logprobs
+            seq.prompt_logprobs.append(_entry(
+                target, result.prompt_logprobs[i], result.prompt_ranks[i],
+                result.prompt_top_ids[i][:want] if k and want else (),
+                result.prompt_top_logprobs[i][:want] if k and want else ()))
 
     def _check_stop(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
@@ -274,13 +324,13 @@ class LLMEngine:
                 if i != -1:
                     text = seq.detok.text
                     seq.stop_reason = next(s for s in p.stop_strings if text.startswith(s, i))
-                    seq.detok.text = text[:i]
+                    seq.detok.text = text[:i + len(seq.stop_reason)] if p.include_stop_str_in_output else text[:i]
                     return "stop"
         if n_out >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return "length"
         return None
 
-    def _make_output(self, seq: Sequence, now: float) -> RequestOutput:
+    def _make_output(self, seq: Sequence, now: float) -> StepOutput:
         new_ids = seq.token_ids[seq.num_prompt_tokens + seq.num_emitted:]
         # the whole output list only at the end: copying it every step of every stream is O(length)
         out_ids = seq.output_token_ids if seq.is_finished else []
@@ -296,12 +346,13 @@ class LLMEngine:
         seq.text = text
         metrics = {"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time, "now": now,
                    "num_preemptions": seq.num_preemptions}
-        return RequestOutput(
-            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, token_ids=out_ids,
+        return StepOutput(
+            request_id=seq.request_id, index=seq.index, prompt_token_ids=seq.prompt_token_ids, token_ids=out_ids,
             new_token_ids=new_ids, text=text, new_text=new_text, finished=seq.is_finished,
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-            logprobs=seq.logprobs, new_logprobs=new_lp, num_cached_tokens=seq.num_cached_tokens,
-            metrics=metrics)
+            logprobs=seq.logprobs, new_logprobs=new_lp,
+            prompt_logprobs=seq.prompt_logprobs if seq.is_finished else None,
+            num_cached_tokens=seq.num_cached_tokens, metrics=metrics)
 
     def shutdown(self) -> None:
         self.runner.shutdown()

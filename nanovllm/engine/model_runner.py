@@ -19,7 +19,7 @@ from nanovllm.attention.backend import AttentionMetadata, OutputRows, get_attent
 from nanovllm.config import EngineConfig
 from nanovllm.distributed.group import TPGroup
 from nanovllm.engine import kv_cache
-from nanovllm.engine.batch import SamplingBatch, StepBatch
+from nanovllm.engine.batch import LateInputs, SamplingBatch, StepBatch
 from nanovllm.engine.cuda_graphs import MIXED_MAX_TOKENS, CUDAGraphs
 from nanovllm.engine.executor import StepResult
 from nanovllm.engine.step_inputs import Layout, Staging, StepInputs
@@ -27,6 +27,7 @@ from nanovllm.engine.step_timer import StepProfiler, StepTimer
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.context import LayerContext
 from nanovllm.layers.linear import GemmPlan, UnquantizedLinearMethod
+from nanovllm.layers.logits_processing import SlotState
 from nanovllm.layers.ops import select_ops
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from nanovllm.models.loader import init_dummy, load_safetensors, process_weights_after_loading
@@ -57,6 +58,7 @@ class ModelRunner:
         # under TP the sampler gets this rank's logits slice and gathers only what the step needs
         self.sampler = Sampler(self.ops, self.model.lm_head.vocab_shard() if self.tp.size > 1 else None)
         self.staging = Staging(self.device)
+        self.slot_state = SlotState(config.model.vocab_size, self.device)  # penalties and biases, allocated on use
         self.timer = StepTimer.from_env(self.device, self.tp.rank)
         self.profilers = StepProfiler.from_env(self.device, self.tp.rank)
         # the latest step's sampled ids, read on the device by the next step's placeholder inputs
@@ -160,8 +162,9 @@ class ModelRunner:
                                  prefill_persistent=rows <= MIXED_MAX_TOKENS, decode_order=v.order)
         return self.model(self._input_ids(v), v.pos, meta)[v.logits_indices]
 
-    def _eager_forward(self, batch: StepBatch, v: StepInputs) -> torch.Tensor | None:
-        """The step without a graph: hidden states of its logits rows (S, hidden), or None when none samples."""
+    def _eager_forward(self, batch: StepBatch, v: StepInputs, keep_all: bool = False) -> torch.Tensor | None:
+        """The step without a graph: hidden states of its logits rows (S, hidden), or None when none samples;
+        `keep_all`: of every token row (T, hidden)."""
         n, S = batch.num_seqs, batch.num_logits
         W = max((len(t) for t in batch.block_tables), default=1)
         meta = AttentionMetadata(v.slots, v.cu, v.seq_lens, v.block_tables(n, W), max_seqlen_q=batch.max_seqlen_q,
@@ -172,6 +175,8 @@ class ModelRunner:
             # would compile mid-run, ~0.6 s
             meta.decode_lens, meta.prefill_cu, meta.decode_splits = v.dec_lens, v.cu_pre, 1
         ids = self._input_ids(v) if batch.placeholder_pos else v.ids
+        if keep_all:
+            return self.model(ids, v.pos, meta)                                # (T, hidden)
         if not S:
             self.model(ids, v.pos, meta)                                       # fills the KV cache; nothing samples
             return None
@@ -195,6 +200,24 @@ class ModelRunner:
         return decode_num_splits(batch, self.attn_layers[0].num_kv_heads,
                                  -(-self.config.max_model_len // self.block_size), self.block_size, self.device)
 
+    def _prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Raw log-probability, 1-based rank and top tokens of each prompt token a row of `hidden` (T, hidden)
+        predicts (batch.prompt_lp_rows / _targets), a few hundred rows at a time (their logits are (rows, V))."""
+        rows = torch.tensor(batch.prompt_lp_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        targets = torch.tensor(batch.prompt_lp_targets, dtype=torch.int64).to(self.device, non_blocking=True)
+        k = batch.prompt_lp_k
+        parts: dict[str, list[torch.Tensor]] = {"logprobs": [], "ranks": [], "top_logprobs": [], "top_ids": []}
+        for i in range(0, rows.numel(), 256):
+            logp = torch.log_softmax(self.model.compute_logits(hidden[rows[i:i + 256]]).float(), dim=-1)
+            lp = logp.gather(1, targets[i:i + 256, None])                                  # (n, 1)
+            parts["logprobs"].append(lp.squeeze(1))
+            parts["ranks"].append((logp > lp).sum(dim=-1) + 1)
+            if k:
+                top_lp, top_ids = logp.topk(k, dim=-1)
+                parts["top_logprobs"].append(top_lp)
+                parts["top_ids"].append(top_ids)
+        return {name: torch.cat(ts) for name, ts in parts.items() if ts}
+
     # --- one step ----------------------------------------------------------------------------------
     def _sampling_tensors(self, v: StepInputs, sb: SamplingBatch) -> SamplingTensors:
         S = len(sb.temperatures)
@@ -212,7 +235,9 @@ class ModelRunner:
             banned_rows=banned[0] if banned else None, banned_tokens=banned[1] if banned else None,
             all_greedy=all(t == 0.0 for t in sb.temperatures),
             need_top_k=any(k > 0 for k in sb.top_ks), need_top_p=any(p < 1.0 for p in sb.top_ps),
-            need_min_p=any(p > 0.0 for p in sb.min_ps), max_logprobs=max(asked) if asked else None)
+            need_min_p=any(p > 0.0 for p in sb.min_ps), max_logprobs=max(asked) if asked else None,
+            features=self.slot_state.prepare(sb.features) if sb.features is not None else None,
+            slot_state=self.slot_state)
 
     @torch.inference_mode()
     def launch(self, batch: StepBatch) -> PendingStep:
@@ -234,7 +259,9 @@ class ModelRunner:
 
     def _launch(self, batch: StepBatch) -> PendingStep:
         S = batch.num_logits
-        graph = self.graphs.find(batch) if self.graphs is not None else None
+        prompt_lp = None
+        # a step that wants prompt log-probabilities runs eagerly: they need every prompt row's hidden state
+        graph = self.graphs.find(batch) if self.graphs is not None and not batch.prompt_lp_rows else None
         if graph is not None:
             v = self.staging.upload(batch, self.graphs.layout(graph), self.graphs.buffer)
             out = self.graphs.replay(graph, S)
@@ -246,18 +273,32 @@ class ModelRunner:
             width = max((len(t) for t in batch.block_tables), default=1)
             layout = Layout.make(batch.num_tokens, batch.num_seqs, width, S, len(batch.sampling.banned))
             v = self.staging.upload(batch, layout)
-            hidden = self._eager_forward(batch, v)
+            if batch.prompt_lp_rows:
+                hidden = self._eager_forward(batch, v, keep_all=True)
+                prompt_lp = self._prompt_logprobs(batch, hidden)
+                hidden = hidden[v.logits_indices] if S else None
+            else:
+                hidden = self._eager_forward(batch, v)
             if hidden is None:
-                return PendingStep(sampled=None, rank=self.tp.rank)
+                if self.tp.rank != 0 or prompt_lp is None:
+                    return PendingStep(sampled=None, rank=self.tp.rank)
+                return PendingStep.start_copy(None, self.device, prompt_lp)
             logits = self.model.compute_logits(hidden, gather=self.tp.size == 1)  # (S, vocab | shard)
+        t = self._sampling_tensors(v, batch.sampling)
+        if batch.sampling.deferred:  # the engine hands over the masks / bans, then PendingStep.sample runs this
+            return PendingStep(sampled=None, rank=self.tp.rank, deferred=lambda late: self._sample(
+                logits, replace(t, late=late), S, prompt_lp))
+        return self._sample(logits, t, S, prompt_lp)
+
+    def _sample(self, logits: torch.Tensor, t: SamplingTensors, S: int, prompt_lp: dict | None) -> PendingStep:
         # sampling is a pure function of the full logits and the seeds; under TP every rank holds its vocabulary
         # shard and the sampler exchanges per-row partials (or gathers the logits), so every rank samples the same
         # ids: each keeps them on its device for the next step's placeholder inputs
-        out = self.sampler(logits, self._sampling_tensors(v, batch.sampling))
+        out = self.sampler(logits, t)
         self.sampled_buf[:S].copy_(out.token_ids)
         if self.tp.rank != 0:
             return PendingStep(sampled=out.token_ids, rank=self.tp.rank)
-        return PendingStep.start_copy(out, self.device)
+        return PendingStep.start_copy(out, self.device, prompt_lp)
 
     @property
     def is_alive(self) -> bool:
@@ -288,43 +329,61 @@ class ModelRunner:
 
 
 class PendingStep:
-    """A launched step: its sampled ids on the device (for the next step's inputs) and a copy to the host."""
+    """A launched step: its sampled ids on the device (for the next step's inputs) and a copy to the host.
 
-    def __init__(self, sampled: torch.Tensor | None, rank: int = 0, host: dict | None = None, event=None):
+    A deferred step (some row's mask or bans wait for the previous step's tokens) has run up to its logits;
+    `sample(late)` samples it (before the next step is launched)."""
+
+    def __init__(self, sampled: torch.Tensor | None, rank: int = 0, host: dict | None = None, event=None,
+                 deferred=None):
         self.sampled = sampled
         self.rank = rank
         self.host = host or {}
         self.event = event
+        self._deferred = deferred
+
+    def sample(self, late: LateInputs) -> None:
+        if self._deferred is None:
+            raise RuntimeError("this step was not deferred (or has been sampled already)")
+        with torch.inference_mode():
+            done, self._deferred = self._deferred(late), None
+        self.sampled, self.host, self.event = done.sampled, done.host, done.event
 
     @classmethod
-    def start_copy(cls, out: SamplerOutput, device: torch.device) -> PendingStep:
+    def start_copy(cls, out: SamplerOutput | None, device: torch.device,
+                   prompt_lp: dict[str, torch.Tensor] | None = None) -> PendingStep:
         cuda = device.type == "cuda"
+        tensors = {}
+        if out is not None:
+            for name in ("token_ids", "logprobs", "ranks", "top_ids", "top_logprobs"):
+                if getattr(out, name) is not None:
+                    tensors[name] = getattr(out, name)
+        for name, t in (prompt_lp or {}).items():
+            tensors["prompt_" + name] = t
         host = {}
-        for name in ("token_ids", "logprobs", "top_ids", "top_logprobs"):
-            t = getattr(out, name)
-            if t is not None:
-                if cuda:
-                    h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                    h.copy_(t, non_blocking=True)
-                    t = h
-                host[name] = t
+        for name, t in tensors.items():
+            if cuda:
+                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                h.copy_(t, non_blocking=True)
+                t = h
+            host[name] = t
         event = None
         if cuda:
             event = torch.cuda.Event()
             event.record()
-        return cls(out.token_ids, 0, host, event)
+        return cls(out.token_ids if out is not None else torch.empty(0), 0, host, event)
 
     def result(self) -> StepResult | None:
+        if self._deferred is not None:
+            raise RuntimeError("a deferred step must be sampled (PendingStep.sample) before its result is read")
         if self.rank != 0:
             return None
         if self.sampled is None:
             return StepResult(token_ids=[])
         if self.event is not None:
             self.event.synchronize()
-        h = self.host
-        res = StepResult(token_ids=h["token_ids"].tolist())
-        if "logprobs" in h:
-            res.logprobs = h["logprobs"].tolist()
-            if "top_ids" in h:
-                res.top_ids, res.top_logprobs = h["top_ids"].tolist(), h["top_logprobs"].tolist()
-        return res
+        h = {name: t.tolist() for name, t in self.host.items()}
+        return StepResult(token_ids=h.get("token_ids", []), logprobs=h.get("logprobs"), ranks=h.get("ranks"),
+                          top_ids=h.get("top_ids"), top_logprobs=h.get("top_logprobs"),
+                          prompt_logprobs=h.get("prompt_logprobs"), prompt_ranks=h.get("prompt_ranks"),
+                          prompt_top_ids=h.get("prompt_top_ids"), prompt_top_logprobs=h.get("prompt_top_logprobs"))

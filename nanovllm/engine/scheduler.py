@@ -8,7 +8,9 @@ and `num_tokens` (known tokens); each step hands out up to `max_num_batched_toke
    recently admitted running sequence is preempted (its blocks released, its progress reset; it is
    recomputed later, prefix cache permitting), repeatedly, until the blocks fit or it preempted itself.
 2. Then waiting sequences, oldest first, while the budget, `max_num_seqs` and free blocks allow: each
-   reuses whatever prefix the cache holds and is admitted with a chunk of its remaining tokens.
+   reuses whatever prefix the cache holds and is admitted with a chunk of its remaining tokens. Samples 1..n-1
+   of a request wait (right behind sample 0) until sample 0 has computed its prompt's full blocks, which they
+   then take from the prefix cache instead of computing them again.
 
 Chunked prefill, prefix-cache hits, decode and mixed prefill+decode batches all come out of these two
 loops. A sequence whose chunk reaches its last known token gets a new token sampled this step. Decode rows
@@ -168,6 +170,8 @@ class Scheduler:
         # 2. waiting sequences (new, or preempted earlier); none while we are short of blocks
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
+            if not self._prefix_ready(seq):
+                break  # a later sample of a request whose first one is still computing the prompt
             urgent = self._urgent(seq, horizon)
             room = budget if urgent else min(budget, prefill_budget)
             if room <= 0:
@@ -210,7 +214,7 @@ class Scheduler:
         samples its first token) is held back until it is urgent, so prefill fills the early steps while requests
         start as late as the run allows and finish together, keeping the tail of the run full. (Admitting fast
         enough for every waiting request's latest start, with the start tied to the prefill, front-loads both and
-        thins the tail: ~2% slower in benchmarks/schedule_sim.py, benchmarks/RESULTS.md run 17.)"""
+        thins the tail: ~2% slower in a simulation, benchmarks/RESULTS.md run 17.)"""
         work = 0
         decode = 0
         last_prompt_token = 0  # sequences with only their last prompt token left to compute
@@ -250,6 +254,14 @@ class Scheduler:
         # under `hold`, a request is urgent once it needs as many steps as the whole run still does (so only the
         # longest starts at once); otherwise once it needs as many as the running requests still do
         return rows - decode, steps if hold else horizon, hold
+
+    def _prefix_ready(self, seq: Sequence) -> bool:
+        """Sample i > 0 of a request may start: its sample 0 is not running (finished, preempted) or has computed
+        every full block of the prompt that a hit can reuse."""
+        lead = seq.leader
+        if lead is None or not self.bm.enable_prefix_caching or lead.status != SequenceStatus.RUNNING:
+            return True
+        return lead.num_computed_tokens >= (seq.num_tokens - 1) // self.bm.block_size * self.bm.block_size
 
     @staticmethod
     def _work(seq: Sequence) -> int:

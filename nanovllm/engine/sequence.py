@@ -23,9 +23,12 @@ class Sequence:
     """
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 max_tokens: int, stop_ids: frozenset[int], noise_seed: int):
+                 max_tokens: int, stop_ids: frozenset[int], noise_seed: int, index: int = 0,
+                 leader: Sequence | None = None):
         self.seq_id = seq_id
         self.request_id = request_id
+        self.index = index                    # which of the request's n samples
+        self.leader = leader                  # sample 0 of the request (None for sample 0 itself)
         self.token_ids: list[int] = list(prompt_token_ids)
         self._prompt: list[int] = list(prompt_token_ids)  # read-only copy, handed out without copying
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -43,6 +46,16 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
+        # prompt log-probabilities (sample 0 only): entry p is position p's, None for position 0
+        self.prompt_logprobs: list[dict | None] | None = \
+            [None] if params.prompt_logprobs is not None and index == 0 else None
+        # sampler state (engine/sampling_features.py): the runner's slot of this sequence's penalty counts and
+        # biases (None: it uses none, or has not sampled yet), the bad words' token ids, the grammar matcher
+        self.sampler_slot: int | None = None
+        self.slot_fresh = False               # the slot is new: the next step initialises it on the device
+        self.static_bias: tuple[list[int], list[tuple[int, float]]] | None = None  # (allowed ids, (id, bias))
+        self.bad_word_ids: list[tuple[int, ...]] = []  # multi-token bad words (one-token ones are in static_bias)
+        self.matcher = None                   # xgrammar GrammarMatcher (structured outputs)
         # output side, owned by the engine
         self.stream = False                   # report progress every step
         self.detok = None                     # IncrementalDetokenizer when text is needed as it grows
@@ -82,6 +95,16 @@ class Sequence:
     def awaiting_last_token(self) -> bool:
         """Its final token is in flight: nothing more to compute, it only waits to be finished."""
         return self.num_output_tokens >= self.max_tokens
+
+    @property
+    def uses_slot(self) -> bool:
+        """It keeps sampler state on the device (penalty counts, a bias row): engine/sampling_features.py."""
+        return self.params.uses_penalties or self.static_bias is not None
+
+    @property
+    def deferred_sampling(self) -> bool:
+        """Its next token's mask or bans depend on its last token (structured outputs, multi-token bad words)."""
+        return self.matcher is not None or bool(self.bad_word_ids)
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

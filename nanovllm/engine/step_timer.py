@@ -103,6 +103,6 @@ class StepProfiler:
             with open(self.path, "w") as f:
                 f.write(f"{self.count} {self.kind or 'any'} steps from step {self.first} of that kind\n")
                 f.write(self.prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40))
-            # the timeline too (kernel start/duration), for gaps between kernels: benchmarks/kernel_gaps.py
+            # the timeline too (kernel start/duration), for gaps between kernels
             self.prof.export_chrome_trace(self.path[:-len(".txt")] + ".trace.json")
             self.prof = None

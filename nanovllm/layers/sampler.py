@@ -22,6 +22,8 @@ import torch
 from torch import nn
 
 from nanovllm.distributed.group import TPGroup
+from nanovllm.engine.batch import LateInputs
+from nanovllm.layers.logits_processing import DeviceFeatures, SlotState, apply_late
 from nanovllm.layers.ops import TORCH_OPS, Ops
 
 
@@ -69,6 +71,11 @@ class SamplingTensors:
     need_top_p: bool
     need_min_p: bool
     max_logprobs: int | None      # largest `logprobs` requested in the batch (None: nobody asked)
+    # penalties / biases of the rows that keep state in `slot_state` (layers/logits_processing.py), and a
+    # deferred step's masks and bans; None: no row uses them (nothing extra runs)
+    features: DeviceFeatures | None = None
+    slot_state: SlotState | None = None
+    late: LateInputs | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,7 @@ class VocabShard:
 class SamplerOutput:
     token_ids: torch.Tensor                      # (B,) int64
     logprobs: torch.Tensor | None = None         # (B,) log-prob of the sampled token
+    ranks: torch.Tensor | None = None            # (B,) 1-based rank of the sampled token
     top_ids: torch.Tensor | None = None          # (B, k)
     top_logprobs: torch.Tensor | None = None     # (B, k)
 
@@ -163,8 +171,10 @@ class Sampler(nn.Module):
 
     @staticmethod
     def needs_full_vocab(t: SamplingTensors) -> bool:
-        """True when the step can't be sampled from vocabulary slices: a filter or logprobs need whole rows."""
-        return t.need_top_k or t.need_top_p or t.need_min_p or t.max_logprobs is not None
+        """True when the step can't be sampled from vocabulary slices: a filter, logprobs, penalties, biases or
+        masks need whole rows."""
+        return (t.need_top_k or t.need_top_p or t.need_min_p or t.max_logprobs is not None
+                or t.features is not None or t.late is not None)
 
     @torch.no_grad()
     def forward(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
@@ -178,11 +188,17 @@ class Sampler(nn.Module):
             if not self.needs_full_vocab(t):
                 return SamplerOutput(token_ids=self._sample_sharded(logits, t, shard))
             logits = shard.gather(logits)
+        out = SamplerOutput(token_ids=torch.empty(0))
+        if t.max_logprobs is not None:  # of the raw logits (vLLM's default), before anything below changes them
+            logp = torch.log_softmax(logits.float(), dim=-1)
+        if t.features is not None or t.late is not None:
+            logits = logits.float()  # (a copy unless float32 already)
+            if t.late is not None:
+                apply_late(logits, t.late, logits.device)
+            if t.features is not None:
+                t.slot_state.apply(logits, t.features)
         if t.banned_rows is not None:
             logits[t.banned_rows, t.banned_tokens] = float("-inf")
-        out = SamplerOutput(token_ids=torch.empty(0))
-        if t.max_logprobs is not None:
-            logp = torch.log_softmax(logits.float(), dim=-1)
         filters = t.need_top_k or t.need_top_p or t.need_min_p
         if t.all_greedy:
             out.token_ids = logits.argmax(dim=-1)
@@ -192,8 +208,11 @@ class Sampler(nn.Module):
             out.token_ids = sample_ref(logits.float(), t.temperatures, t.seeds, t.steps,
                                        t.top_ks if t.need_top_k else None, t.top_ps if t.need_top_p else None,
                                        t.min_ps if t.need_min_p else None)
+        if t.features is not None:
+            t.slot_state.record(t.features, out.token_ids)
         if t.max_logprobs is not None:
             out.logprobs = logp.gather(1, out.token_ids[:, None]).squeeze(1)
+            out.ranks = (logp > out.logprobs[:, None]).sum(dim=-1) + 1
             if t.max_logprobs > 0:
                 out.top_logprobs, out.top_ids = logp.topk(t.max_logprobs, dim=-1)
         return out

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import hmac
 import json
 import logging
@@ -194,19 +193,15 @@ class OpenAIServer:
         except (ValueError, TypeError) as e:
             raise bad_request(str(e), guess_param(str(e)) or "prompt") from None
 
-    def build_requests(self, base_id: str, prompt_ids: list[list[int]], params, n: int):
-        """(request id, ValidRequest) for every prompt x sample; choice index = prompt * n + sample."""
-        reqs = []
-        for i, ids in enumerate(prompt_ids):
-            for j in range(n):
-                p = params
-                if j and params.seed is not None:
-                    try:
-                        p = dataclasses.replace(params, seed=params.seed + j)
-                    except (ValueError, TypeError) as e:
-                        raise bad_request(str(e), "seed") from None
-                reqs.append((f"{base_id}-{i * n + j}", self.validate(ids, p)))
-        return reqs
+    def build_requests(self, base_id: str, prompt_ids: list[list[int]], params):
+        """(request id, ValidRequest) for every prompt, each with the request's n samples (the engine shares the
+        prompt's blocks between them; sample j is seeded with seed + j)."""
+        return [(f"{base_id}-{i}", self.validate(ids, params)) for i, ids in enumerate(prompt_ids)]
+
+    @staticmethod
+    def choice_index(reqs, n: int) -> dict[str, int]:
+        """request id -> index of its sample 0's choice (choice index = prompt * n + sample)."""
+        return {rid: k * n for k, (rid, _) in enumerate(reqs)}
 
     def completion_logprobs(self, entries: list[dict], as_ids: bool, state: _ChoiceState | None = None) -> dict:
         tokens, lps, tops, offsets = [], [], [], []
@@ -245,7 +240,7 @@ class OpenAIServer:
             finals = {}
             async for out in stream:
                 if out.finished:
-                    finals[out.request_id] = out
+                    finals[out.request_id, out.index] = out
             return finals
         finally:
             watcher.cancel()
@@ -253,7 +248,8 @@ class OpenAIServer:
 
     # --- /v1/completions ---------------------------------------------------------------------------
     async def _finals(self, request: Request, reqs) -> dict | None:
-        """Run non-streamed requests to the end: request id -> final output (None: the client went away)."""
+        """Run non-streamed requests to the end: (request id, sample) -> final output (None: the client went
+        away)."""
         try:
             return await self.collect(request, self.engine.submit(reqs, stream=False))
         except RequestAbortedError:
@@ -265,12 +261,12 @@ class OpenAIServer:
         as_ids = bool(req.return_tokens_as_token_ids)
         req.check()
         prompts = req.prompts()
-        params = req.sampling_params(req.max_tokens, req.logprobs)
+        params = req.sampling_params(req.max_tokens, req.logprobs, best_of=req.best_of)
         prompt_ids = [self.encode_prompt(p) for p in prompts]
         n = req.num_samples
         base = f"cmpl-{uuid.uuid4().hex}"
-        reqs = self.build_requests(base, prompt_ids, params, n)
-        index = {rid: k for k, (rid, _) in enumerate(reqs)}
+        reqs = self.build_requests(base, prompt_ids, params)
+        index = self.choice_index(reqs, n)
         n_prompt = sum(len(ids) for ids in prompt_ids)
         created = int(time.time())
         if req.stream:
@@ -281,17 +277,18 @@ class OpenAIServer:
             return Response(status_code=499)
         choices = []
         completion_tokens = sum(len(out.token_ids) for out in finals.values())
-        for rid, _ in reqs:
-            out = finals[rid]
+        for key in sorted(finals, key=lambda k: index[k[0]] + k[1]):
+            out = finals[key]
             choices.append({
-                "index": index[rid], "text": out.text,
+                "index": index[key[0]] + key[1], "text": out.text,
                 "logprobs": self.completion_logprobs(out.logprobs, as_ids) if req.logprobs is not None else None,
                 "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})
         return JSONResponse({"id": base, "object": "text_completion", "created": created, "model": model,
                              "choices": choices, "usage": self.usage(n_prompt, completion_tokens)})
 
     async def _stream_completions(self, stream, reqs, index, base, model, created, n_prompt, req):
-        states = {rid: _ChoiceState(index[rid], valid.params) for rid, valid in reqs}
+        states = {(rid, j): _ChoiceState(index[rid] + j, valid.params) for rid, valid in reqs
+                  for j in range(valid.params.n)}
         as_ids = bool(req.return_tokens_as_token_ids)
         usage_field = {"usage": None} if req.include_usage else {}
 
@@ -300,7 +297,7 @@ class OpenAIServer:
                          "choices": choices, **usage_field})
 
         async for out in stream:
-            st = states[out.request_id]
+            st = states[out.request_id, out.index]
             text = st.delta(out, self.decode)
             if not (text or out.new_token_ids or out.finished):
                 continue
@@ -325,8 +322,8 @@ class OpenAIServer:
         ids = self.chat_prompt(req.conversation(), req.add_generation_prompt is not False, req.chat_template_kwargs)
         n = req.num_samples
         base = f"chatcmpl-{uuid.uuid4().hex}"
-        reqs = self.build_requests(base, [ids], params, n)
-        index = {rid: k for k, (rid, _) in enumerate(reqs)}
+        reqs = self.build_requests(base, [ids], params)
+        index = self.choice_index(reqs, n)
         created = int(time.time())
         if req.stream:
             return self._stream_response(request, reqs, lambda stream: self._stream_chat(
@@ -336,17 +333,18 @@ class OpenAIServer:
             return Response(status_code=499)
         choices = []
         completion_tokens = sum(len(out.token_ids) for out in finals.values())
-        for rid, _ in reqs:
-            out = finals[rid]
+        for key in sorted(finals, key=lambda k: index[k[0]] + k[1]):
+            out = finals[key]
             choices.append({
-                "index": index[rid], "message": {"role": "assistant", "content": out.text},
+                "index": index[key[0]] + key[1], "message": {"role": "assistant", "content": out.text},
                 "logprobs": {"content": self.chat_logprobs(out.logprobs, as_ids)} if req.logprobs else None,
                 "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})
         return JSONResponse({"id": base, "object": "chat.completion", "created": created, "model": model,
                              "choices": choices, "usage": self.usage(len(ids), completion_tokens)})
 
     async def _stream_chat(self, stream, reqs, index, base, model, created, n_prompt, req):
-        states = {rid: _ChoiceState(index[rid], valid.params) for rid, valid in reqs}
+        states = {(rid, j): _ChoiceState(index[rid] + j, valid.params) for rid, valid in reqs
+                  for j in range(valid.params.n)}
         as_ids = bool(req.return_tokens_as_token_ids)
         usage_field = {"usage": None} if req.include_usage else {}
 
@@ -358,7 +356,7 @@ class OpenAIServer:
             yield chunk([{"index": st.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
         async for out in stream:
-            st = states[out.request_id]
+            st = states[out.request_id, out.index]
             text = st.delta(out, self.decode)
             if not (text or out.new_token_ids or out.finished):
                 continue

@@ -59,11 +59,13 @@ class ResultStream:
     running; use the stream as an `async with` block (or call close in a finally) so that a cancelled or
     disconnected caller frees its KV blocks at once."""
 
-    def __init__(self, engine: AsyncEngine, request_ids: list[str], queue: asyncio.Queue):
+    def __init__(self, engine: AsyncEngine, request_ids: list[str], queue: asyncio.Queue,
+                 samples: list[int] | None = None):
         self._engine = engine
         self._queue = queue
         self.request_ids = list(request_ids)
-        self._left = set(request_ids)
+        # request id -> its samples (SamplingParams.n) not finished yet
+        self._left = dict(zip(request_ids, samples or [1] * len(request_ids)))
         self.aborted = False
 
     @property
@@ -88,8 +90,10 @@ class ResultStream:
         if isinstance(item, BaseException):
             self._left.clear()   # the engine side already dropped these requests
             raise item
-        if item.finished:
-            self._left.discard(item.request_id)
+        if item.finished and item.request_id in self._left:
+            self._left[item.request_id] -= 1
+            if not self._left[item.request_id]:
+                del self._left[item.request_id]
         return item
 
     def close(self) -> None:
@@ -130,6 +134,7 @@ class AsyncEngine:
         self._closed = False                    # the loop has exited: no more requests are taken
         self._wake = threading.Event()
         self._sinks: dict[str, _Sink] = {}     # engine thread only: live request id -> its sink
+        self._samples_left: dict[str, int] = {}  # engine thread only: live request id -> samples not finished
         self._stop = False
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -179,7 +184,8 @@ class AsyncEngine:
                                       (f" (it failed: {self._error!r})" if self._error else ""))
             self._inbox.append(("add", list(requests), stream, sink))
         self._wake.set()
-        return ResultStream(self, [rid for rid, _ in requests], queue)
+        return ResultStream(self, [rid for rid, _ in requests], queue,
+                            [getattr(getattr(v, "params", None), "n", 1) for _, v in requests])
 
     def abort(self, request_ids: list[str]) -> None:
         """Drop requests (from any thread); their KV blocks are freed before the next step."""
@@ -241,7 +247,7 @@ class AsyncEngine:
                 for rid in cmd[1]:
                     if self._sinks.pop(rid, None) is not None:
                         self._safe_abort(rid)
-                        n += 1
+                        n += self._samples_left.pop(rid, 1)
                 if n:
                     self.metrics.record_aborted(n)
 
@@ -253,11 +259,13 @@ class AsyncEngine:
             except Exception as e:  # noqa: BLE001 - e.g. a duplicate id: the whole group fails
                 for r in added:
                     self._sinks.pop(r, None)
+                    self._samples_left.pop(r, None)
                     self._safe_abort(r)
                 self._send({sink.loop: [(sink.queue, e)]})
                 return
             added.append(rid)
             self._sinks[rid] = sink
+            self._samples_left[rid] = getattr(getattr(valid, "params", None), "n", 1)
 
     def _safe_abort(self, rid: str) -> None:
         try:
@@ -272,7 +280,9 @@ class AsyncEngine:
             if sink is None:
                 continue   # aborted meanwhile
             if out.finished:
-                del self._sinks[out.request_id]
+                self._samples_left[out.request_id] -= 1
+                if not self._samples_left[out.request_id]:
+                    del self._sinks[out.request_id], self._samples_left[out.request_id]
                 self._record(out, sink)
             by_loop.setdefault(sink.loop, []).append((sink.queue, out))
         self._send(by_loop)
@@ -294,9 +304,11 @@ class AsyncEngine:
             if id(sink.queue) not in queues:     # one exception per group is enough
                 queues.add(id(sink.queue))
                 by_loop.setdefault(sink.loop, []).append((sink.queue, exc))
-        for _ in self._sinks:
-            self.metrics.record_finished("error", None, None, None)
+        for rid in self._sinks:
+            for _ in range(self._samples_left.get(rid, 1)):
+                self.metrics.record_finished("error", None, None, None)
         self._sinks.clear()
+        self._samples_left.clear()
         self._send(by_loop)
 
     def _send(self, by_loop: dict) -> None:
@@ -308,6 +320,7 @@ class AsyncEngine:
                 for rid, sink in list(self._sinks.items()):
                     if id(sink.queue) in dead:
                         del self._sinks[rid]
+                        self._samples_left.pop(rid, None)
                         self._safe_abort(rid)
 
     def _snapshot(self) -> dict:

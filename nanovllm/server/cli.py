@@ -15,14 +15,16 @@ INSTALL_HINT = "the server needs the optional 'server' extra: pip install -e '.[
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
-    from nanovllm.cli import add_engine_args
+    from nanovllm.cli import HelpFormatter, add_engine_args
 
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                              formatter_class=HelpFormatter,
                               description="Serve MODEL over an OpenAI-compatible HTTP API "
                                           "(/v1/completions, /v1/chat/completions, /v1/models, /metrics...).")
-    p.add_argument("model", metavar="MODEL", help="Hugging Face checkpoint directory")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("model", metavar="MODEL", nargs="?", default=None,
+                   help="checkpoint directory or Hugging Face id (default: a built-in tiny model, random weights)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback only by default)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $NANOVLLM_API_KEY, else none)")
     p.add_argument("--served-model-name", nargs="+", default=None,
@@ -43,6 +45,16 @@ def server_engine_args(ns: argparse.Namespace):
     return EngineArgs.from_kwargs(ns.model, **{"scheduling_policy": "fcfs", **engine_kwargs(ns)})
 
 
+def check_serve_args(ns: argparse.Namespace) -> None:
+    """Network and engine flags checked before the model loads (ValueError naming the flag)."""
+    from nanovllm.cli import check_engine_args, engine_kwargs
+    if not 1 <= ns.port <= 65535:
+        raise ValueError(f"--port must be in 1..65535, got {ns.port}")
+    if not ns.host:
+        raise ValueError("--host must not be empty")
+    check_engine_args(ns.model, {"scheduling_policy": "fcfs", **engine_kwargs(ns)})
+
+
 def serve_command(ns: argparse.Namespace) -> int:
     try:
         import fastapi  # noqa: F401
@@ -50,9 +62,12 @@ def serve_command(ns: argparse.Namespace) -> int:
     except ImportError as e:
         print(f"nanovllm serve: {INSTALL_HINT} (missing: {e.name})", file=sys.stderr)
         return 1
+    from nanovllm.cli import default_model
     from nanovllm.engine.llm_engine import LLMEngine
     from nanovllm.server.api import build_app
 
+    check_serve_args(ns)
+    ns.model = default_model(ns.model)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     t0 = time.perf_counter()
     engine = LLMEngine(server_engine_args(ns))

@@ -12,10 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from nanovllm.sampling_params import SamplingParams
-
-MAX_N = 128          # samples per prompt
-MAX_LOGPROBS = 20    # what the engine can return
+from nanovllm.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams, StructuredOutputsParams
 
 
 class APIError(Exception):
@@ -72,6 +69,13 @@ class _GenerationRequest(_Strict):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None          # vLLM's extensions from here on
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool | None = False
+    # OpenAI's {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}
+    response_format: dict[str, Any] | None = None
+    # vLLM's {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
+    structured_outputs: dict[str, Any] | None = None
     user: str | None = None
     return_tokens_as_token_ids: bool | None = False   # vLLM's extension: logprob tokens as "token_id:ID"
 
@@ -81,14 +85,32 @@ class _GenerationRequest(_Strict):
             raise bad_request(f"n must be between 1 and {MAX_N}, got {n}", "n")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if v not in (None, 0, 0.0):
-                raise bad_request(f"{name} is not supported by this server (only 0)", name)
-        if self.repetition_penalty not in (None, 1, 1.0):
-            raise bad_request("repetition_penalty is not supported by this server (only 1)", "repetition_penalty")
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported by this server", "logit_bias")
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """response_format / structured_outputs as StructuredOutputsParams (a 400 if malformed)."""
+        if self.structured_outputs is not None and self.response_format not in (None, {"type": "text"}):
+            raise bad_request("give response_format or structured_outputs, not both", "response_format")
+        if self.structured_outputs is not None:
+            try:
+                return StructuredOutputsParams(**self.structured_outputs)
+            except (ValueError, TypeError) as e:
+                raise bad_request(f"structured_outputs: {e}", "structured_outputs") from None
+        rf = self.response_format
+        if rf is None:
+            return None
+        kind = rf.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if kind == "json_schema":
+            js = rf.get("json_schema")
+            schema = js.get("schema") if isinstance(js, dict) else None
+            if not isinstance(schema, dict):
+                raise bad_request("response_format.json_schema.schema must be a JSON schema object", "response_format")
+            return StructuredOutputsParams(json=schema)
+        raise bad_request(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                          "response_format")
 
     @property
     def num_samples(self) -> int:
@@ -98,7 +120,7 @@ class _GenerationRequest(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, **extra) -> SamplingParams:
         return make_sampling_params(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -112,11 +134,23 @@ class _GenerationRequest(_Strict):
             seed=self.seed,
             logprobs=logprobs,
             skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
+            n=self.num_samples,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self.logit_bias or None,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words or None,
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            structured_outputs=self.structured(),
+            **extra,
         )
 
 
 _PARAM_NAMES = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "ignore_eos", "stop_token_ids",
-                "stop", "seed", "logprobs", "skip_special_tokens")
+                "stop", "seed", "logprobs", "skip_special_tokens", "n", "best_of", "presence_penalty",
+                "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words",
+                "include_stop_str_in_output", "structured_outputs")
 
 
 def make_sampling_params(**kw) -> SamplingParams:
@@ -132,6 +166,8 @@ def guess_param(message: str) -> str | None:
         return m.group(1)
     if m and m.group(1) == "prompt":
         return "prompt"
+    if m and m.group(1) in ("StructuredOutputsParams", "structured_outputs"):
+        return "structured_outputs"
     return None
 
 
@@ -149,8 +185,6 @@ class CompletionRequest(_GenerationRequest):
             raise bad_request("echo is not supported by this server", "echo")
         if self.suffix:
             raise bad_request("suffix is not supported by this server", "suffix")
-        if self.best_of is not None and self.best_of != self.num_samples:
-            raise bad_request("best_of is not supported by this server (only best_of == n)", "best_of")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}", "logprobs")
 
@@ -199,7 +233,6 @@ class ChatCompletionRequest(_GenerationRequest):
     add_generation_prompt: bool | None = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
 
     def check(self) -> None:
         self.check_common()
@@ -213,8 +246,6 @@ class ChatCompletionRequest(_GenerationRequest):
                                   "top_logprobs")
         if self.tools:
             raise bad_request("tools are not supported by this server", "tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request("response_format other than text is not supported by this server", "response_format")
 
     @property
     def effective_max_tokens(self) -> int | None:

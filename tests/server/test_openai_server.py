@@ -241,7 +241,8 @@ def test_logprobs(srv):
     r = srv.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
-    assert lp.token_logprobs == pytest.approx([e["logprob"] for e in ref["logprobs"]], abs=1e-4)
+    assert lp.token_logprobs == pytest.approx([pos[t].logprob for t, pos in zip(ref["token_ids"], ref["logprobs"])],
+                                              abs=1e-4)
     assert all(len(t) >= 3 for t in lp.top_logprobs[:1]) and all(v <= 0 for v in lp.token_logprobs)
     assert "".join(lp.tokens) == r.choices[0].text or "\ufffd" in "".join(lp.tokens)
     c = srv.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5, temperature=0, logprobs=True,
@@ -632,3 +633,64 @@ def test_async_engine_shutdown_fails_requests_in_flight(srv):
     finally:
         aeng.shutdown()
         engine.shutdown()
+
+
+# --- vLLM's sampling fields and structured outputs ---------------------------------------------------------------
+def test_penalties_bias_and_bad_words_match_offline(srv):
+    kw = dict(max_tokens=12, frequency_penalty=0.8, presence_penalty=0.3, repetition_penalty=1.2)
+    ref = offline(srv, [PROMPT], **kw, logit_bias={7: 3.0}, allowed_token_ids=list(range(3, 300)))[0]
+    r = srv.client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, logit_bias={"7": 3.0},
+                                      extra_body={"repetition_penalty": 1.2, "allowed_token_ids": list(range(3, 300))},
+                                      max_tokens=12, frequency_penalty=0.8, presence_penalty=0.3)
+    assert r.choices[0].text == ref["text"]
+    ref = offline(srv, [PROMPT], max_tokens=12, n=3, seed=9, temperature=1.0, bad_words=["the"])[0]
+    r = srv.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, n=3, seed=9, temperature=1.0,
+                                      extra_body={"bad_words": ["the"]})
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [c.text for c in ref.outputs]
+    assert _check_error(srv.http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "logit_bias": {"7": 1},
+                                                               "frequency_penalty": 5}), 400, "frequency_penalty")
+    _check_error(srv.http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "logit_bias": {"99999": 1}}),
+                 400, "logit_bias")
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Z][a-z]{1,6}$"},
+                                           "pop": {"type": "integer", "minimum": 0, "maximum": 9999}},
+          "required": ["city", "pop"], "additionalProperties": False}
+
+
+def test_structured_outputs_through_the_openai_client(srv):
+    import re
+    fmt = {"type": "json_schema", "json_schema": {"name": "town", "schema": SCHEMA, "strict": True}}
+    r = srv.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=80, temperature=1.0, n=4, seed=3,
+                                           response_format=fmt)
+    for c in r.choices:
+        obj = json.loads(c.message.content)
+        assert set(obj) == {"city", "pop"} and re.fullmatch(r"[A-Z][a-z]{1,6}", obj["city"])
+        assert isinstance(obj["pop"], int) and 0 <= obj["pop"] <= 9999 and c.finish_reason == "stop"
+    r = srv.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=200, temperature=1.0, seed=1,
+                                           response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    for seed in range(3):
+        r = srv.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=1.0, seed=seed,
+                                          extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}})
+        assert r.choices[0].text in ("red", "green", "blue")
+        r = srv.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=1.0, seed=seed,
+                                          extra_body={"structured_outputs": {"regex": r"\d{3}-[a-z]{2}"}})
+        assert re.fullmatch(r"\d{3}-[a-z]{2}", r.choices[0].text)
+    chunks = list(srv.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=1.0, seed=5,
+                                                stream=True, extra_body={"structured_outputs": {"regex": r"[a-z]{4}"}}))
+    assert re.fullmatch(r"[a-z]{4}", "".join(c.choices[0].text for c in chunks if c.choices))
+
+
+def test_malformed_structured_outputs_are_400(srv):
+    bad = [({"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
+           ({"structured_outputs": {"json": "{nope"}}, "structured_outputs"),
+           ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+           ({"structured_outputs": {"frobnicate": 1}}, "structured_outputs"),
+           ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+           ({"response_format": {"type": "yaml"}}, "response_format")]
+    for body, param in bad:
+        _check_error(srv.http.post("/v1/completions", json={"model": MODEL, "prompt": "x", **body}), 400, param)
+        _check_error(srv.http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, **body}), 400, param)
+    assert_all_blocks_free(srv)

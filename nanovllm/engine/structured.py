@@ -1,0 +1,99 @@
+"""Structured outputs with xgrammar: grammars compiled once per spec (a cache keyed by the spec's text), one matcher
+per sequence, and the token bitmask of a step's constrained rows.
+
+When the masks are filled (engine/llm_engine.py): a step with a constrained row is *deferred* — the runner runs its
+forward pass up to the logits and stops before sampling (`PendingStep.sample`). With async scheduling that step
+(N + 1) is launched before step N's tokens are read; the engine then reads them, advances each matcher with its
+sequence's token, fills step N + 1's bitmask on the host while the GPU runs N + 1's forward, and hands it over: the
+sampler applies it on the device (layers/logits_processing.py). So grammar matching overlaps the forward pass and
+a constrained sequence still decodes every step. Without async scheduling the same code runs in order.
+
+JSON is compiled compact (no free whitespace between tokens): a model, or noise, cannot stall in whitespace.
+"""
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+
+import torch
+
+from nanovllm.sampling_params import StructuredOutputsParams
+
+INSTALL_HINT = "structured outputs need xgrammar: pip install 'nanovllm[structured]' (or pip install xgrammar)"
+CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped first)
+
+
+def _import_xgrammar():
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise ValueError(INSTALL_HINT) from e
+    return xgrammar
+
+
+def spec_key(spec: StructuredOutputsParams) -> tuple[str, str]:
+    """(kind, text): the cache key of a spec (a JSON schema dict as its JSON text, properties in order)."""
+    kind = spec.kind
+    if kind == "json":
+        text = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+    elif kind == "choice":
+        text = json.dumps(spec.choice)
+    elif kind == "json_object":
+        text = ""
+    else:
+        text = getattr(spec, kind)
+    return kind, text
+
+
+def _ebnf_literal(s: str) -> str:
+    return json.dumps(s)  # a JSON string literal is a valid GBNF string literal (same escapes)
+
+
+class StructuredOutputs:
+    """The engine's grammars: compile (cached), a matcher per sequence, bitmasks for a step's rows."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids):
+        xgr = _import_xgrammar()
+        self.xgr = xgr
+        self.vocab_size = vocab_size
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=sorted(stop_token_ids) or None)
+        self.compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # our cache below: one, keyed by the spec
+        self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._batch = xgr.BatchGrammarMatcher()
+
+    def compile(self, spec: StructuredOutputsParams):
+        """The compiled grammar of a spec; ValueError naming the spec if it is malformed."""
+        key = spec_key(spec)
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit
+        kind, text = key
+        try:
+            if kind == "json":
+                compiled = self.compiler.compile_json_schema(text, any_whitespace=False)
+            elif kind == "json_object":
+                compiled = self.compiler.compile_builtin_json_grammar()
+            elif kind == "regex":
+                compiled = self.compiler.compile_regex(text)
+            elif kind == "choice":
+                compiled = self.compiler.compile_grammar("root ::= " + " | ".join(map(_ebnf_literal, spec.choice)))
+            else:
+                compiled = self.compiler.compile_grammar(text)
+        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / its own types for bad specs
+            msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise ValueError(f"structured_outputs.{kind} is not valid: {msg}") from None
+        self._cache[key] = compiled
+        if len(self._cache) > CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return compiled
+
+    def matcher(self, compiled):
+        return self.xgr.GrammarMatcher(compiled)
+
+    def fill(self, matchers: list) -> torch.Tensor:
+        """(len(matchers), ceil(V / 32)) int32 bitmask of the next token of each matcher (threads in xgrammar)."""
+        mask = self.xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        self._batch.batch_fill_next_token_bitmask(matchers, mask)
+        return mask

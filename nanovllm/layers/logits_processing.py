@@ -1,0 +1,147 @@
+"""The sampler's logits processing on the device, batched with per-row values: penalties, logit bias, allowed
+and banned tokens, structured-output bitmasks. Nothing here syncs with the host, so it runs under async
+scheduling (the previous step's ids never leave the device) and after a CUDA-graph replay.
+
+Per-sequence state lives in `SlotState`, one row per slot (the engine gives each sequence that needs it a slot
+when it first samples, `engine/sampling_features.py`):
+
+    counts (C, V) int32    output-token counts: +1 at (slot, sampled id) after every step (a scatter-add)
+    prompt (C, V) bool     the prompt's tokens (the repetition penalty covers prompt and output)
+    bias   (C, V) float32  logit_bias, -inf outside allowed_token_ids and on one-token bad words: set up once
+
+Each tensor is allocated when a sequence first needs it and grows (doubling) with the slots in use; a step whose
+rows use none of it launches nothing here.
+
+vLLM's formulas (`penalties_ref`): with m = prompt | (counts > 0),
+    logit = logit / r if logit > 0 else logit * r    where m (r = repetition_penalty; transformers' definition)
+    logit -= frequency * counts + presence * (counts > 0)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanovllm.engine.batch import FeatureBatch, LateInputs
+
+
+def penalties_ref(logits: torch.Tensor, counts: torch.Tensor, prompt: torch.Tensor, presence: torch.Tensor,
+                  frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
+    """(R, V) float32 logits, (R, V) output counts and prompt marks, (R,) penalties -> penalized logits."""
+    seen = counts > 0
+    r = torch.where(prompt | seen, repetition[:, None], torch.ones_like(logits))
+    logits = torch.where(logits > 0, logits / r, logits * r)
+    return logits - frequency[:, None] * counts - presence[:, None] * seen
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """logits[rows[i], t] = -inf where bit t of row i of the (R, ceil(V / 32)) int32 bitmask is 0, in place.
+
+    The int32 words are read as little-endian bytes: token 8 * byte + bit."""
+    V = logits.shape[1]
+    nbytes = bitmask.shape[1] * 4
+    b = bitmask.contiguous().view(torch.uint8).view(-1, nbytes)                       # (R, W * 4)
+    shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
+    allowed = ((b[:, :, None] >> shifts) & 1).view(b.shape[0], nbytes * 8)[:, :V].bool()  # (R, V)
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+@dataclass
+class DeviceFeatures:
+    """One step's feature rows on the device (from a FeatureBatch)."""
+    rows: torch.Tensor          # (R,) int64 logits rows
+    slots: torch.Tensor         # (R,) int64
+    presence: torch.Tensor      # (R,) float32
+    frequency: torch.Tensor
+    repetition: torch.Tensor
+    penalized: bool
+    biased: bool
+
+
+class SlotState:
+    """Per-sequence sampler state on the device, by slot (see the module docstring)."""
+
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.vocab_size = vocab_size
+        self.device = device
+        self.capacity = 0
+        self.counts: torch.Tensor | None = None
+        self.prompt: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+
+    def _grow(self, t: torch.Tensor | None, dtype: torch.dtype, capacity: int) -> torch.Tensor:
+        new = torch.zeros(capacity, self.vocab_size, dtype=dtype, device=self.device)
+        if t is not None:
+            new[:t.shape[0]] = t
+        return new
+
+    def _ensure(self, max_slot: int, penalized: bool, biased: bool) -> None:
+        if max_slot >= self.capacity:
+            self.capacity = max(8, 2 * self.capacity, max_slot + 1)
+            if self.counts is not None:
+                self.counts = self._grow(self.counts, torch.int32, self.capacity)
+                self.prompt = self._grow(self.prompt, torch.bool, self.capacity)
+            if self.bias is not None:
+                self.bias = self._grow(self.bias, torch.float32, self.capacity)
+        if penalized and self.counts is None:
+            self.counts = self._grow(None, torch.int32, self.capacity)
+            self.prompt = self._grow(None, torch.bool, self.capacity)
+        if biased and self.bias is None:
+            self.bias = self._grow(None, torch.float32, self.capacity)
+
+    def _ints(self, xs: list[int]) -> torch.Tensor:
+        return torch.tensor(xs, dtype=torch.int64).to(self.device, non_blocking=True)
+
+    def prepare(self, fb: FeatureBatch) -> DeviceFeatures:
+        """Set up this step's new slots and return its rows' tensors (a handful of small host-to-device copies)."""
+        self._ensure(max(fb.slots), fb.penalized or any(fb.init_penalized),
+                     fb.biased or any(fb.init_allow_only) or bool(fb.bias_slots))
+        if fb.init_slots:
+            init = self._ints(fb.init_slots)
+            if self.counts is not None:
+                self.counts[init] = 0
+                self.prompt[init] = False
+                if fb.prompt_slots:
+                    self.prompt[self._ints(fb.prompt_slots), self._ints(fb.prompt_tokens)] = True
+            if self.bias is not None:
+                start = torch.tensor([float("-inf") if a else 0.0 for a in fb.init_allow_only], dtype=torch.float32)
+                self.bias[init] = start.to(self.device, non_blocking=True)[:, None]
+                if fb.allow_slots:
+                    self.bias[self._ints(fb.allow_slots), self._ints(fb.allow_tokens)] = 0.0
+                if fb.bias_slots:
+                    vals = torch.tensor(fb.bias_values, dtype=torch.float32).to(self.device, non_blocking=True)
+                    self.bias.index_put_((self._ints(fb.bias_slots), self._ints(fb.bias_tokens)), vals,
+                                         accumulate=True)
+        pens = torch.tensor([fb.presence, fb.frequency, fb.repetition], dtype=torch.float32)
+        pens = pens.to(self.device, non_blocking=True)
+        idx = self._ints(fb.rows + fb.slots)
+        R = len(fb.rows)
+        return DeviceFeatures(rows=idx[:R], slots=idx[R:], presence=pens[0], frequency=pens[1], repetition=pens[2],
+                              penalized=fb.penalized, biased=fb.biased)
+
+    def apply(self, logits: torch.Tensor, f: DeviceFeatures) -> None:
+        """Bias, then penalties, on the feature rows of (S, V) float32 logits, in place."""
+        if not (f.biased or f.penalized):
+            return
+        x = logits[f.rows]                                                            # (R, V)
+        if f.biased:
+            x = x + self.bias[f.slots]
+        if f.penalized:
+            x = penalties_ref(x, self.counts[f.slots], self.prompt[f.slots], f.presence, f.frequency, f.repetition)
+        logits[f.rows] = x
+
+    def record(self, f: DeviceFeatures, token_ids: torch.Tensor) -> None:
+        """Count the step's sampled ids (still on the device) for the next step's penalties."""
+        if self.counts is not None and f.penalized:
+            ones = torch.ones_like(f.slots, dtype=torch.int32)
+            self.counts.index_put_((f.slots, token_ids[f.rows]), ones, accumulate=True)
+
+
+def apply_late(logits: torch.Tensor, late: LateInputs, device: torch.device) -> None:
+    """A deferred step's masks and bans (engine-filled once the previous step's tokens were known), in place."""
+    if late.mask_rows:
+        rows = torch.tensor(late.mask_rows, dtype=torch.int64).to(device, non_blocking=True)
+        apply_token_bitmask(logits, rows, late.bitmask.to(device, non_blocking=True))
+    if late.banned:
+        pairs = torch.tensor(late.banned, dtype=torch.int64).T.contiguous().to(device, non_blocking=True)
+        logits[pairs[0], pairs[1]] = float("-inf")
