@@ -32,11 +32,14 @@ from nanovllm.engine import llm_engine as le  # noqa: E402
 from nanovllm.engine.step_timer import ENV as STEP_TIMING_ENV  # noqa: E402
 
 
-def model_bytes(m, itemsize: int) -> int:
-    """Bytes of weights a forward pass reads (embedding rows are gathered, so only the LM head counts)."""
+def model_bytes(m, itemsize: int, linear_itemsize: int | None = None) -> int:
+    """Bytes of weights a forward pass reads (embedding rows are gathered, so only the LM head counts); the decoder's
+    projections at linear_itemsize (1 with FP8 weights; their scales are < 0.1% more), the rest at itemsize."""
     d, q, kv = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
-    per_layer = d * (q + 2 * kv) + q * d + 3 * d * m.intermediate_size + 2 * d + 2 * m.head_dim
-    return itemsize * (m.num_layers * per_layer + m.vocab_size * d + d)
+    linear = d * (q + 2 * kv) + q * d + 3 * d * m.intermediate_size
+    norms = 2 * d + 2 * m.head_dim
+    li = itemsize if linear_itemsize is None else linear_itemsize
+    return m.num_layers * (linear * li + norms * itemsize) + itemsize * (m.vocab_size * d + d)
 
 
 class StepCounter:
@@ -110,7 +113,11 @@ def main(argv=None) -> dict:
     runner = eng.runner
     mcfg = eng.config.model
     itemsize = torch.empty(0, dtype=eng.config.dtype).element_size()
-    kv_per_token = 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * itemsize
+    linear_itemsize = 1 if eng.config.quantization is not None else itemsize  # FP8 weights
+    # an e4m3 KV cache: 1 byte per value and a float32 scale per (token, KV head)
+    fp8_kv = eng.config.cache_dtype == torch.float8_e4m3fn
+    kv_per_token = 2 * mcfg.num_layers * mcfg.num_kv_heads * (mcfg.head_dim * (1 if fp8_kv else itemsize)
+                                                               + (4 if fp8_kv else 0))
 
     llm.generate([[1, 2, 3, 4]] * 4, SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     if cuda:
@@ -132,7 +139,7 @@ def main(argv=None) -> dict:
     if n_out != sum(max_tokens):
         raise SystemExit(f"expected {sum(max_tokens)} output tokens, got {n_out}")
     n_steps = len(steps.rows)
-    moved = n_steps * model_bytes(mcfg, itemsize) + sum(r[3] for r in steps.rows) * kv_per_token
+    moved = n_steps * model_bytes(mcfg, itemsize, linear_itemsize) + sum(r[3] for r in steps.rows) * kv_per_token
     seconds = lambda name: round(getattr(runner, name, 0.0), 2)  # noqa: E731  (a runner may not record it)
     res = {
         "label": ns.label, "model": os.path.basename(os.path.normpath(ns.model)), "arch": mcfg.architecture,
