@@ -19,7 +19,8 @@ import triton.language as tl
 from nanovllm.kernels._common import check_same_device, sm_count
 
 
-@triton.jit
+# M changes from step to step: specializing on it (1, multiples of 16) would compile variants mid-run
+@triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(
     A, B, AS, BS, C, BIAS, M, N, K,
     stride_am, stride_bn, stride_cm, stride_asm, stride_bsn,
