@@ -24,7 +24,8 @@ def _into(y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
 
 def _scaled_mm_fits(w: torch.Tensor) -> bool:
     """Whether ``torch._scaled_mm`` takes products with weight w (N, K): on CUDA, K and N multiples of 16 (and a
-    bf16 / fp16 output, checked per call)."""
+    bf16 output, checked per call: its CUTLASS row-wise path, used below cuBLAS 12.9, takes no other in some torch
+    versions; fp16 / float32 outputs go through the Triton GEMM)."""
     return w.is_cuda and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0
 
 
@@ -52,7 +53,7 @@ class Fp8LinearMethod:
             return _into(fp8_ref.fp8_linear_rowwise_ref(xq, xs, w, ws, x.dtype, bias), out)
         from nanovllm import kernels
         xq, xs = kernels.per_token_quant_fp8(x)
-        if not (layer.fp8_scaled_mm and x.dtype in (torch.bfloat16, torch.float16)):
+        if not (layer.fp8_scaled_mm and x.dtype == torch.bfloat16):
             return kernels.w8a8_gemm(xq, xs, w, ws, x.dtype, bias=bias, out=out)
         kw = {} if out is None else {"out": out}
         y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws.view(1, -1), out_dtype=x.dtype, **kw)
