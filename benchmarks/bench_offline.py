@@ -39,15 +39,18 @@ def experts_read(m, tokens: int) -> float:
     return m.num_experts * (1 - (1 - m.num_experts_per_tok / m.num_experts) ** tokens)
 
 
-def model_bytes(m, itemsize: int, tokens: int = 1) -> float:
+def model_bytes(m, itemsize: int, tokens: int = 1, linear_itemsize: int | None = None) -> float:
     """Bytes of weights a forward pass of `tokens` tokens reads (embedding rows are gathered, so only the LM head
-    counts; an MoE layer reads its router, shared expert and the experts its tokens are routed to)."""
+    counts; an MoE layer reads its router, shared expert and the experts its tokens are routed to); the decoder's
+    projections at linear_itemsize (1 with FP8 weights; their scales are < 0.1% more), the rest at itemsize."""
     d, q, kv = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
-    per_layer = d * (q + 2 * kv) + q * d + 2 * d + 2 * m.head_dim
     expert = 3 * d * m.moe_intermediate_size
     mlp = sum(m.mlp_params(i) - (m.num_experts - experts_read(m, tokens)) * expert if m.is_moe_layer(i)
               else 3 * d * m.intermediate_size for i in range(m.num_layers))
-    return itemsize * (m.num_layers * per_layer + mlp + m.vocab_size * d + d)
+    linear = m.num_layers * (d * (q + 2 * kv) + q * d) + mlp
+    norms = m.num_layers * (2 * d + 2 * m.head_dim)
+    li = itemsize if linear_itemsize is None else linear_itemsize
+    return linear * li + norms * itemsize + itemsize * (m.vocab_size * d + d)
 
 
 class StepCounter:
@@ -121,7 +124,11 @@ def main(argv=None) -> dict:
     runner = eng.runner
     mcfg = eng.config.model
     itemsize = torch.empty(0, dtype=eng.config.dtype).element_size()
-    kv_per_token = 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * itemsize
+    linear_itemsize = 1 if eng.config.quantization is not None else itemsize  # FP8 weights
+    # an e4m3 KV cache: 1 byte per value and a float32 scale per (token, KV head)
+    fp8_kv = eng.config.cache_dtype == torch.float8_e4m3fn
+    kv_per_token = 2 * mcfg.num_layers * mcfg.num_kv_heads * (mcfg.head_dim * (1 if fp8_kv else itemsize)
+                                                               + (4 if fp8_kv else 0))
 
     llm.generate([[1, 2, 3, 4]] * 4, SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     if cuda:
@@ -143,12 +150,12 @@ def main(argv=None) -> dict:
     if n_out != sum(max_tokens):
         raise SystemExit(f"expected {sum(max_tokens)} output tokens, got {n_out}")
     n_steps = len(steps.rows)
-    moved = sum(model_bytes(mcfg, itemsize, r[2]) + r[3] * kv_per_token for r in steps.rows)
+    moved = sum(model_bytes(mcfg, itemsize, r[2], linear_itemsize) + r[3] * kv_per_token for r in steps.rows)
     # the pure decode steps alone: bytes they read over their wall time (engine.step, which under async
     # scheduling is the step's share of the run)
     decode = [r for r in steps.rows if r[4]]
     decode_ms = sum(r[0] for r in decode)
-    decode_bytes = sum(model_bytes(mcfg, itemsize, r[2]) + r[3] * kv_per_token for r in decode)
+    decode_bytes = sum(model_bytes(mcfg, itemsize, r[2], linear_itemsize) + r[3] * kv_per_token for r in decode)
     seconds = lambda name: round(getattr(runner, name, 0.0), 2)  # noqa: E731  (a runner may not record it)
     res = {
         "label": ns.label, "model": os.path.basename(os.path.normpath(ns.model)), "arch": mcfg.architecture,

@@ -32,6 +32,11 @@ _HELP = {
     "tokenizer_revision": "revision of a Hugging Face tokenizer id",
     "download_dir": "Hugging Face cache directory (default: huggingface_hub's, e.g. ~/.cache/huggingface/hub)",
     "trust_remote_code": "accepted for vLLM compatibility; no remote code ever runs",
+    "quantization": "'fp8': quantize the decoder's projections to FP8 (e4m3) at load time, one scale per output "
+                    "channel, activations per token (default: none, or the checkpoint's own quantization_config: "
+                    "block-FP8 checkpoints such as Qwen3-*-FP8 load as they are)",
+    "kv_cache_dtype": "'auto' (default: the model dtype) or 'fp8' / 'fp8_e4m3': e4m3 K/V with a float32 scale per "
+                      "token and KV head (about 1.9x the tokens per GiB)",
 }
 
 

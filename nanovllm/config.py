@@ -14,9 +14,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanovllm.layers.quantization import SUPPORTED as QUANTIZATION_METHODS
+from nanovllm.layers.quantization import QuantizationConfig, resolve_quantization
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16,
            "float": torch.float32}
+# kv_cache_dtype values (vLLM's names) other than "auto" (the model dtype)
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,8 @@ class EngineArgs:
     tokenizer_revision: str | None = None
     download_dir: str | None = None        # Hugging Face cache directory (default: huggingface_hub's)
     trust_remote_code: bool = False        # accepted for vLLM scripts; no remote code ever runs
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> EngineArgs:
@@ -100,6 +107,10 @@ class EngineArgs:
             raise TypeError(f"async_scheduling must be a bool or None, got {self.async_scheduling!r}")
         need("scheduling_policy", self.scheduling_policy in ("auto", *SCHEDULING_POLICIES),
              "'auto', " + " or ".join(map(repr, SCHEDULING_POLICIES)))
+        need("quantization", self.quantization is None or self.quantization in QUANTIZATION_METHODS,
+             "None or " + " or ".join(map(repr, QUANTIZATION_METHODS)))
+        need("kv_cache_dtype", self.kv_cache_dtype == "auto" or self.kv_cache_dtype in KV_CACHE_DTYPES,
+             "'auto', " + " or ".join(map(repr, KV_CACHE_DTYPES)))
 
 
 SCHEDULING_POLICIES = ("fcfs", "balanced")  # see nanovllm.engine.scheduler
@@ -126,15 +137,21 @@ def resolve_device(args: EngineArgs) -> torch.device:
 BALANCED_MIN_WEIGHT_BYTES = 12 << 30
 
 
-def weight_bytes_per_gpu(model: ModelConfig, dtype: torch.dtype, tensor_parallel_size: int) -> float:
-    """Bytes of the weights one GPU multiplies with each step (``ModelConfig.matmul_params``, sharded)."""
-    return model.matmul_params() * torch.empty(0, dtype=dtype).element_size() / tensor_parallel_size
+def weight_bytes_per_gpu(model: ModelConfig, dtype: torch.dtype, tensor_parallel_size: int,
+                         quantization: QuantizationConfig | None = None) -> float:
+    """Bytes of the weights one GPU multiplies with each step (``ModelConfig.matmul_params``, sharded): with FP8
+    quantization one byte per weight of the decoder's projections, the LM head in the model dtype."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    if quantization is None:
+        return model.matmul_params() * itemsize / tensor_parallel_size
+    head = model.vocab_size * model.hidden_size
+    return ((model.matmul_params() - head) + head * itemsize) / tensor_parallel_size
 
 
 def auto_scheduling_policy(model: ModelConfig, dtype: torch.dtype, tensor_parallel_size: int,
-                           device: torch.device) -> str:
+                           device: torch.device, quantization: QuantizationConfig | None = None) -> str:
     """What scheduling_policy="auto" means for this model and device (see BALANCED_MIN_WEIGHT_BYTES)."""
-    per_gpu = weight_bytes_per_gpu(model, dtype, tensor_parallel_size)
+    per_gpu = weight_bytes_per_gpu(model, dtype, tensor_parallel_size, quantization)
     return "balanced" if device.type == "cuda" and per_gpu >= BALANCED_MIN_WEIGHT_BYTES else "fcfs"
 
 
@@ -320,6 +337,13 @@ class EngineConfig:
     attention_backend: str
     async_scheduling: bool
     scheduling_policy: str
+    quantization: QuantizationConfig | None = None   # FP8 weights (online or the checkpoint's), or None
+    kv_cache_dtype: torch.dtype | None = None        # the KV cache's element type; None: the model dtype
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The KV cache's element type: float8_e4m3fn (with per-(token, head) scales), or the model dtype."""
+        return self.dtype if self.kv_cache_dtype is None else self.kv_cache_dtype
 
     @classmethod
     def resolve(cls, args: EngineArgs) -> EngineConfig:
@@ -355,6 +379,15 @@ class EngineConfig:
         # every running sequence needs at least one token of each step's budget
         max_num_seqs = min(args.max_num_seqs, max_batched)
 
+        quant = resolve_quantization(args.quantization, mcfg.raw.get("quantization_config"))
+        kv_dtype = KV_CACHE_DTYPES.get(args.kv_cache_dtype)
+        if (quant is not None or kv_dtype is not None) and device.type == "cuda":
+            major, minor = torch.cuda.get_device_capability(device)
+            if (major, minor) < (8, 9):
+                what = "FP8 weights" if quant is not None else f"kv_cache_dtype={args.kv_cache_dtype!r}"
+                raise ValueError(f"{what} need a GPU with FP8 support (compute capability 8.9+, e.g. L4, H100, "
+                                 f"H200); this one is {major}.{minor}")
+
         backend = args.attention_backend
         if backend == "auto":
             backend = "triton" if device.type == "cuda" else "torch"
@@ -371,8 +404,9 @@ class EngineConfig:
             # balanced pays where a decode step is bound by reading the weights (prefill rows ride along in those
             # steps), i.e. a large model per GPU; with less per GPU the per-step costs it adds win. The server
             # asks for fcfs (time to first token).
-            policy = auto_scheduling_policy(mcfg, dtype, args.tensor_parallel_size, device)
+            policy = auto_scheduling_policy(mcfg, dtype, args.tensor_parallel_size, device, quant)
         return cls(args=args, model=mcfg, model_dir=model_dir, device=device, dtype=dtype,
                    max_model_len=max_model_len, max_num_batched_tokens=max_batched,
                    max_num_seqs=max_num_seqs, block_size=args.kvcache_block_size, attention_backend=backend,
-                   async_scheduling=async_sched, scheduling_policy=policy)
+                   async_scheduling=async_sched, scheduling_policy=policy, quantization=quant,
+                   kv_cache_dtype=kv_dtype)

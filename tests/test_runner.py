@@ -129,7 +129,7 @@ def test_graph_sizes():
 
     def config(params, budget=8192, tp=1, device="cuda", eager=False, backend="triton", seqs=256):
         return SimpleNamespace(device=torch.device(device), dtype=torch.bfloat16, attention_backend=backend,
-                               max_num_batched_tokens=budget, max_num_seqs=seqs,
+                               max_num_batched_tokens=budget, max_num_seqs=seqs, quantization=None,
                                model=SimpleNamespace(matmul_params=lambda: params),
                                args=SimpleNamespace(enforce_eager=eager, tensor_parallel_size=tp))
     small, large = 0.6e9, 8e9  # parameters: 1.2 GB and 16 GB of bf16 weights

@@ -7,6 +7,8 @@ Callers that store K/V themselves (the fused QK-norm + RoPE + KV-store kernel) c
 model that needs the output of only some rows stores all of them and attends for those.
 Everything in `AttentionMetadata` is a device tensor except `max_seqlen_q` and `is_decode`, which are
 host values fixed per captured CUDA graph, so a backend can run inside a graph with padded slots.
+An e4m3 cache (kv_cache_dtype="fp8") comes with its per-(token, KV head) scales, `k_scales` / `v_scales`
+(num_blocks, block_size, Hkv) float32, which both calls take (None with a cache in the model dtype).
 """
 from __future__ import annotations
 
@@ -55,13 +57,15 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              slot_mapping: torch.Tensor) -> None:
+              slot_mapping: torch.Tensor, k_scales: torch.Tensor | None = None,
+              v_scales: torch.Tensor | None = None) -> None:
         """Write k, v (T, Hkv, D) into k_cache, v_cache (num_blocks, block_size, Hkv, D) at slot_mapping (T,);
         slot -1 is skipped."""
 
     @abstractmethod
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, k_scales: torch.Tensor | None = None,
+               v_scales: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of q (T, H, D) over each sequence's cached tokens (this step's K/V already stored),
         with meta describing the queries and scale the softmax scale. Returns (T, H, D)."""
 
@@ -70,12 +74,12 @@ class TorchAttentionBackend(AttentionBackend):
     """Plain torch (runs anywhere); the reference for the Triton kernels."""
     name = "torch"
 
-    def store(self, k, v, k_cache, v_cache, slot_mapping):
-        store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
+    def store(self, k, v, k_cache, v_cache, slot_mapping, k_scales=None, v_scales=None):
+        store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
 
-    def attend(self, q, k_cache, v_cache, meta, scale):
+    def attend(self, q, k_cache, v_cache, meta, scale, k_scales=None, v_scales=None):
         return paged_attention_ref(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-                                   scale, meta.max_seqlen_q)
+                                   scale, meta.max_seqlen_q, k_scales, v_scales)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -89,16 +93,17 @@ class TritonAttentionBackend(AttentionBackend):
         self.k = kernels
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
-    def store(self, k, v, k_cache, v_cache, slot_mapping):
-        self.k.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    def store(self, k, v, k_cache, v_cache, slot_mapping, k_scales=None, v_scales=None):
+        self.k.store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
 
-    def attend(self, q, k_cache, v_cache, meta, scale):
+    def attend(self, q, k_cache, v_cache, meta, scale, k_scales=None, v_scales=None):
+        fp8 = dict(k_scales=k_scales, v_scales=v_scales)
         if meta.is_decode:
             return self.k.paged_decode_attention(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
-                                                 order=meta.decode_order)
+                                                 order=meta.decode_order, **fp8)
         if meta.decode_lens is None:
             return self.k.paged_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
-                                                  meta.block_tables, scale, meta.max_seqlen_q)
+                                                  meta.block_tables, scale, meta.max_seqlen_q, **fp8)
         # mixed step: the chunks through the varlen kernel and the one-token rows through the decode kernel (it
         # packs a KV head's query heads without padding them to a prefill tile). The two write disjoint rows, so
         # on a GPU they run side by side: the varlen kernel's few long programs on a second stream, next to the
@@ -111,10 +116,11 @@ class TritonAttentionBackend(AttentionBackend):
             side.wait_stream(main)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             self.k.paged_prefill_attention(q, k_cache, v_cache, meta.prefill_cu, meta.seq_lens, meta.block_tables,
-                                           scale, meta.max_seqlen_q, out=out, persistent=meta.prefill_persistent)
+                                           scale, meta.max_seqlen_q, out=out, persistent=meta.prefill_persistent,
+                                           **fp8)
         self.k.paged_decode_attention(q[:B], k_cache, v_cache, meta.decode_lens, meta.block_tables, scale,
                                       out=out[:B], num_splits=meta.decode_splits, skip_empty=True,
-                                      order=meta.decode_order)
+                                      order=meta.decode_order, **fp8)
         if side is not None:
             main.wait_stream(side)
         return out

@@ -56,7 +56,7 @@ def prefill_graph_sizes(config: EngineConfig) -> list[int]:
     budget = config.max_num_batched_tokens
     if not mixed_graph_sizes(config) or budget <= MIXED_MAX_TOKENS:
         return []
-    if weight_bytes_per_gpu(config.model, config.dtype, config.args.tensor_parallel_size) \
+    if weight_bytes_per_gpu(config.model, config.dtype, config.args.tensor_parallel_size, config.quantization) \
             >= PREFILL_GRAPH_MAX_WEIGHT_BYTES:
         return []
     sizes, s = [], 2 * MIXED_MAX_TOKENS

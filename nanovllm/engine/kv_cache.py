@@ -1,6 +1,13 @@
 """The paged KV cache: how many blocks fit (a profiling pass on CUDA, a fixed budget on CPU), agreed across
 tensor-parallel ranks, allocated as one tensor and bound to every attention layer as views.
 
+Its element type is the cache's own (`EngineConfig.cache_dtype`): the model dtype, or e4m3
+(kv_cache_dtype="fp8"), which holds one byte per value plus a float32 scale per (token, KV head) in a second
+tensor of the same layout (2, layers, blocks, block_size, Hkv) -- with head_dim 128, 1 + 4/128 bytes per value
+instead of 2, so about 1.94x the tokens fit. Per-token scales (not vLLM's default of one static scale per
+tensor) because a static 1.0 overflows e4m3's +-448 or loses V in its subnormals whenever a model's keys or
+values are not of order one; a token's scale makes its head's largest value 448, whatever the model.
+
 The profiling pass and the warm-up steps run one step of given sequence lengths through the runner's real eager
 path over a throwaway cache (`warmup_batch`, `throwaway_cache`): that sizes the activation memory and compiles
 the kernels real steps of those shapes use.
@@ -20,10 +27,16 @@ from nanovllm.layers.attention import Attention
 CPU_KV_CACHE_BYTES = 2 << 30  # default KV budget on CPU when num_kvcache_blocks is not given
 
 
+def is_scaled(dtype: torch.dtype) -> bool:
+    """Whether a cache of this dtype stores scales beside the values (e4m3)."""
+    return dtype == torch.float8_e4m3fn
+
+
 def bytes_per_block(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V one block holds across all layers."""
+    """Bytes of K and V one block holds across all layers (their scales included)."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    return sum(2 * block_size * a.num_kv_heads * a.head_dim * itemsize for a in layers)
+    scale_bytes = 4 if is_scaled(dtype) else 0
+    return sum(2 * block_size * a.num_kv_heads * (a.head_dim * itemsize + scale_bytes) for a in layers)
 
 
 def cache_shape(layers: list[Attention], num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -31,24 +44,35 @@ def cache_shape(layers: list[Attention], num_blocks: int, block_size: int) -> tu
     return (2, len(layers), num_blocks, block_size, a.num_kv_heads, a.head_dim)
 
 
-def bind(layers: list[Attention], cache: torch.Tensor | None) -> None:
-    """Point every layer at its slice of `cache` (2, layers, blocks, block_size, Hkv, D); None unbinds."""
+def allocate(layers: list[Attention], num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A zeroed cache (2, layers, blocks, block_size, Hkv, D) and, for e4m3, its scales (2, layers, blocks,
+    block_size, Hkv) float32 (else None)."""
+    shape = cache_shape(layers, num_blocks, block_size)
+    cache = torch.zeros(shape, dtype=dtype, device=device)
+    scales = torch.zeros(shape[:-1], dtype=torch.float32, device=device) if is_scaled(dtype) else None
+    return cache, scales
+
+
+def bind(layers: list[Attention], cache: torch.Tensor | None, scales: torch.Tensor | None = None) -> None:
+    """Point every layer at its slice of `cache` (2, layers, blocks, block_size, Hkv, D) and of its `scales`
+    (an e4m3 cache's); None unbinds."""
     for i, layer in enumerate(layers):
         layer.k_cache, layer.v_cache = (None, None) if cache is None else (cache[0, i], cache[1, i])
+        layer.k_scales, layer.v_scales = (None, None) if scales is None else (scales[0, i], scales[1, i])
 
 
 @contextlib.contextmanager
 def throwaway_cache(layers: list[Attention], num_blocks: int, block_size: int, dtype: torch.dtype,
                     device: torch.device):
     """A temporary cache of `num_blocks` bound to the layers; their own views are restored afterwards."""
-    saved = [(layer.k_cache, layer.v_cache) for layer in layers]
-    cache = torch.zeros(cache_shape(layers, num_blocks, block_size), dtype=dtype, device=device)
-    bind(layers, cache)
+    saved = [(layer.k_cache, layer.v_cache, layer.k_scales, layer.v_scales) for layer in layers]
+    bind(layers, *allocate(layers, num_blocks, block_size, dtype, device))
     try:
         yield
     finally:
-        for layer, (k, v) in zip(layers, saved):
-            layer.k_cache, layer.v_cache = k, v
+        for layer, (k, v, ks, vs) in zip(layers, saved):
+            layer.k_cache, layer.v_cache, layer.k_scales, layer.v_scales = k, v, ks, vs
 
 
 def warmup_batch(lens: list[int], block_size: int) -> StepBatch:

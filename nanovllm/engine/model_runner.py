@@ -31,7 +31,7 @@ from nanovllm.layers.logits_processing import SlotState
 from nanovllm.layers.ops import select_ops
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from nanovllm.models.loader import init_dummy, load_safetensors, process_weights_after_loading
-from nanovllm.models.registry import build_model
+from nanovllm.models.registry import build_model, packed_modules_mapping
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +83,13 @@ class ModelRunner:
     # --- setup -------------------------------------------------------------------------------------
     def _load_model(self):
         cfg = self.config
+        quant = None
+        if cfg.quantization is not None:
+            from nanovllm.layers.quantization import QuantizationMethods
+            quant = QuantizationMethods(cfg.quantization, use_kernels=self.ops.fused,
+                                        packed_modules=packed_modules_mapping(cfg.model))
         ctx = LayerContext(attention=self.backend, tp=self.tp, ops=self.ops,
-                           linear_method=UnquantizedLinearMethod(self.gemm_plan))
+                           linear_method=UnquantizedLinearMethod(self.gemm_plan), quantization=quant)
         prev = torch.get_default_dtype()
         torch.set_default_dtype(cfg.dtype)
         try:
@@ -111,15 +116,16 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> int:
         cfg = self.config
-        per_block = kv_cache.bytes_per_block(self.attn_layers, self.block_size, self.dtype)
+        per_block = kv_cache.bytes_per_block(self.attn_layers, self.block_size, cfg.cache_dtype)
         n = kv_cache.num_blocks(cfg, per_block, lambda: self.warmup(kv_cache.profile_lens(cfg)))
         if self.device.type == "cuda" and cfg.args.num_kvcache_blocks is None:
             self.warmup([1, 2, 3][:cfg.max_num_seqs])  # the short-chunk prefill variant, compiled now
         n = kv_cache.agree(self.tp, n, self.device)
         kv_cache.check_fits(n, cfg)
-        self.kv_cache = torch.zeros(kv_cache.cache_shape(self.attn_layers, n, self.block_size), dtype=self.dtype,
-                                    device=self.device)
-        kv_cache.bind(self.attn_layers, self.kv_cache)
+        # the K/V values, and an e4m3 cache's per-(token, head) scales (None otherwise)
+        self.kv_cache, self.kv_scales = kv_cache.allocate(self.attn_layers, n, self.block_size, cfg.cache_dtype,
+                                                          self.device)
+        kv_cache.bind(self.attn_layers, self.kv_cache, self.kv_scales)
         return n
 
     @torch.inference_mode()
@@ -127,7 +133,7 @@ class ModelRunner:
         """One eager step (packed inputs, forward, logits, sampling) of sequences of these lengths over a
         throwaway KV cache: sizes the activation memory and compiles the kernels real steps of those shapes use."""
         with kv_cache.throwaway_cache(self.attn_layers, kv_cache.blocks_needed(lens, self.block_size),
-                                      self.block_size, self.dtype, self.device):
+                                      self.block_size, self.config.cache_dtype, self.device):
             self.launch(kv_cache.warmup_batch(lens, self.block_size)).result()
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
@@ -314,7 +320,7 @@ class ModelRunner:
         kv_cache.bind(self.attn_layers, None)
         if self.graphs is not None:
             self.graphs.release()
-        self.model = self.kv_cache = self.graphs = self.staging = self.sampled_buf = None
+        self.model = self.kv_cache = self.kv_scales = self.graphs = self.staging = self.sampled_buf = None
         self.attn_layers = []
         if self.device.type == "cuda":
             import gc

@@ -23,6 +23,11 @@ Public kernels (each mirrors a torch reference elsewhere in the package):
   mixture-of-experts feed-forward (routing, expert-sorted layout, grouped GEMMs, combine; reference
   ``nanovllm.layers.moe_ref.fused_moe_ref``); ``fused_moe_compile(w13, w2, top_k, renormalize)`` compiles every
   kernel variant its tile table can pick for that weight shape
+* ``per_token_quant_fp8(x)``, ``per_token_group_quant_fp8(x, group)``   -> (e4m3 q, float32 scales)
+* ``w8a8_gemm(xq, xs, wq, ws, out_dtype, block=None, bias=None, out=None)`` -> (M, N): scaled FP8 GEMM, row-wise or
+  block-wise scales (references in ``nanovllm.layers.quantization.fp8_ref``)
+
+The KV-cache kernels (store, fused store, attention) also take an e4m3 cache with per-(token, head) scales.
 
 ``nanovllm.layers.ops.triton_ops()`` bundles them for the layers, which pick them when the model is built.
 """
@@ -36,7 +41,8 @@ __all__ = [
     "triton_available",
     "store_kvcache", "paged_prefill_attention", "paged_decode_attention", "decode_workspace_numel",
     "rms_norm", "add_rms_norm", "silu_and_mul", "apply_rotary", "sample", "sample_partial",
-    "qkv_norm_rope_store", "fused_moe", "fused_moe_compile",
+    "qkv_norm_rope_store", "fused_moe", "fused_moe_compile", "per_token_quant_fp8", "per_token_group_quant_fp8",
+    "w8a8_gemm",
 ]
 
 # public name -> submodule that defines it
@@ -54,6 +60,9 @@ _LAZY = {
     "qkv_norm_rope_store": "fused_qkv",
     "fused_moe": "moe",
     "fused_moe_compile": "moe",
+    "per_token_quant_fp8": "fp8_quant",
+    "per_token_group_quant_fp8": "fp8_quant",
+    "w8a8_gemm": "fp8_gemm",
 }
 
 @functools.cache

@@ -6,6 +6,7 @@ import os
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+CACHE_DTYPES = (*FLOAT_DTYPES, torch.float8_e4m3fn)  # a KV cache: the model dtype, or e4m3 with scales
 
 
 def next_pow2(n: int) -> int:
@@ -67,3 +68,34 @@ def sm_count(device: torch.device) -> int:
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _SM_COUNT[idx]
+
+
+def check_kv_scales(fn: str, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scales: torch.Tensor | None,
+                    v_scales: torch.Tensor | None) -> tuple[bool, int, int]:
+    """An e4m3 KV cache comes with float32 scales per (block, slot, KV head), (num_blocks, block_size, Hkv) views
+    with the same strides and a contiguous head dim; a cache in a float dtype without. Returns (fp8, the scales'
+    block stride, their slot stride)."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"{fn}: k_cache and v_cache dtypes differ ({k_cache.dtype} vs {v_cache.dtype})")
+    if not fp8:
+        if k_scales is not None or v_scales is not None:
+            raise ValueError(f"{fn}: KV scales go with a float8_e4m3fn cache, not {k_cache.dtype}")
+        return False, 0, 0
+    want = tuple(k_cache.shape[:3])
+    for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if s is None or s.dtype != torch.float32 or tuple(s.shape) != want or (want[2] > 1 and s.stride(2) != 1):
+            raise ValueError(f"{fn}: a float8_e4m3fn cache needs {name}: float32 {want} (num_blocks, block_size, "
+                             f"num_kv_heads) with a contiguous last dim, got "
+                             f"{None if s is None else (s.dtype, tuple(s.shape), s.stride())}")
+    if k_scales.stride() != v_scales.stride():
+        raise ValueError(f"{fn}: k_scales and v_scales must have the same strides, got {k_scales.stride()} and "
+                         f"{v_scales.stride()}")
+    check_same_device(k_cache=k_cache, k_scales=k_scales, v_scales=v_scales)
+    return True, k_scales.stride(0), k_scales.stride(1)
+
+
+def check_cache(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in CACHE_DTYPES:
+        raise ValueError(f"{name}: unsupported KV-cache dtype {t.dtype}; expected float32/float16/bfloat16 or "
+                         f"float8_e4m3fn")

@@ -13,12 +13,12 @@ from nanovllm.kernels.paged_common import LOG2E, check_paged_args, kv_tile, onli
 
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _decode_kernel(
-    Q, K, V, Out, PART_O, PART_LSE, SEQ_LENS, BT, ORDER, qk_scale, num_splits,
+    Q, K, V, KS, VS, Out, PART_O, PART_LSE, SEQ_LENS, BT, ORDER, qk_scale, num_splits,
     stride_qb, stride_qh, stride_ob, stride_oh,
-    stride_kb, stride_ks, stride_kh, stride_bt,
+    stride_kb, stride_ks, stride_kh, stride_bt, stride_sb, stride_ss,
     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-    USE_ORDER: tl.constexpr, SKIP_EMPTY: tl.constexpr,
+    USE_ORDER: tl.constexpr, SKIP_EMPTY: tl.constexpr, FP8: tl.constexpr,
 ):
     # SPLIT: num_splits > 1 programs per sequence write partial results for _decode_reduce_kernel; the count
     # itself is a runtime value, so every split count shares one compiled variant.
@@ -55,9 +55,13 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         n = n0 + offs_n
         n_ok = n < end
-        k, v = kv_tile(K, V, bt_row, n0, offs_n, offs_d, end, n_ok, head_off, stride_kb, stride_ks,
-                        BLOCK_SIZE, BLOCK_N, True, UPCAST)
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        k, v, ks = kv_tile(K, V, KS, VS, Q, bt_row, n0, offs_n, offs_d, end, n_ok, head_off, kvh, stride_kb,
+                           stride_ks, stride_sb, stride_ss, BLOCK_SIZE, BLOCK_N, True, UPCAST, FP8)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+        if FP8:
+            qk = qk * (ks * qk_scale)[None, :]
+        else:
+            qk = qk * qk_scale
         qk = tl.where(n_ok[None, :], qk, float("-inf"))
         m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, PREC, False)  # every tile has a valid key
 
@@ -140,12 +144,14 @@ def decode_workspace_numel(batch: int, num_heads: int, head_dim: int, num_splits
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                            block_tables: torch.Tensor, scale: float, out: torch.Tensor | None = None, *,
                            num_splits: int | None = None, workspace: torch.Tensor | None = None,
-                           order: torch.Tensor | None = None, skip_empty: bool = False) -> torch.Tensor:
+                           order: torch.Tensor | None = None, skip_empty: bool = False,
+                           k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence at position seq_len - 1 (``paged_attention_ref`` with cu_seqlens_q = arange(B+1)).
 
     Args:
         q: (B, H, D); may be a strided view (contiguous head_dim).
-        k_cache, v_cache: (num_blocks, block_size, Hkv, D) with q's dtype.
+        k_cache, v_cache: (num_blocks, block_size, Hkv, D) with q's dtype, or e4m3 with k_scales / v_scales
+            (num_blocks, block_size, Hkv) float32.
         seq_lens: (B,) int, 0 = padding (outputs zeros); block_tables: (B, max_blocks) int, -1 padded.
         scale: softmax scale. out: optional (B, H, D) output buffer.
         num_splits: KV splits (1 = single pass, no workspace); default: ``decode_num_splits`` of the shapes.
@@ -159,8 +165,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     CUDA-graph safe: no host sync, launch sizes and allocations depend on shapes only.
     """
     fn = "paged_decode_attention"
-    out, seq_lens, H, Hkv, D, block_size, B = check_paged_args(fn, q, k_cache, v_cache, seq_lens, block_tables, out,
-                                                            q.shape)
+    out, seq_lens, H, Hkv, D, block_size, B, (fp8, stride_sb, stride_ss) = check_paged_args(
+        fn, q, k_cache, v_cache, seq_lens, block_tables, out, q.shape, k_scales, v_scales)
     if q.shape[0] != B:
         raise ValueError(f"{fn}: q has {q.shape[0]} rows but seq_lens has {B} sequences")
     if order is not None:
@@ -181,13 +187,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     prec = dot_precision(q.dtype)
     common = dict(G=G, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, HEAD_DIM=D, BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
                   PREC=prec, UPCAST=upcast_dots(q.dtype), USE_ORDER=order is not None,
-                  SKIP_EMPTY=bool(skip_empty), num_warps=warps, num_stages=stages)
+                  SKIP_EMPTY=bool(skip_empty), FP8=fp8, num_warps=warps, num_stages=stages)
     grid = (Hkv, B, num_splits)
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
+               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), stride_sb, stride_ss)
+    scales = (k_scales, v_scales) if fp8 else (k_cache, v_cache)
     qk_scale = float(scale) * LOG2E
     if num_splits == 1:
-        _decode_kernel[grid](q, k_cache, v_cache, out, out, out, seq_lens, block_tables,
+        _decode_kernel[grid](q, k_cache, v_cache, *scales, out, out, out, seq_lens, block_tables,
                              seq_lens if order is None else order, qk_scale, 1, *strides, **common)
         return out
     need = decode_workspace_numel(B, H, D, num_splits)
@@ -200,7 +207,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     workspace = workspace.view(-1)
     part_o = workspace[: B * H * num_splits * D]
     part_lse = workspace[B * H * num_splits * D: need]
-    _decode_kernel[grid](q, k_cache, v_cache, out, part_o, part_lse, seq_lens, block_tables,
+    _decode_kernel[grid](q, k_cache, v_cache, *scales, out, part_o, part_lse, seq_lens, block_tables,
                          seq_lens if order is None else order, qk_scale, num_splits, *strides, **common)
     # one padded width for every split count up to _MAX_SPLITS: one compiled variant
     _decode_reduce_kernel[(B, H)](part_o, part_lse, out, out.stride(0), out.stride(1), num_splits,

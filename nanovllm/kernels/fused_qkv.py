@@ -9,7 +9,8 @@ q RMSNorm, the same two for k, the RoPE kernel and the KV-store kernel; this ker
 Rounding follows the torch references op for op (``rms_norm_ref`` then ``apply_rotary_ref`` then
 ``store_kvcache_ref``, composed in ``nanovllm.layers.fused_qkv_ref``): the norm runs in float32, is rounded to
 the input dtype, scaled by the weight and rounded to ``promote_types(weight, input)``; RoPE rounds cos/sin and
-every product / sum to that dtype; the cache store casts to the cache dtype.
+every product / sum to that dtype; the cache store casts to the cache dtype, or quantizes each k / v head to
+e4m3 with its own scale (as ``kernels.kvcache`` does).
 
 Grid: (T, q head-blocks + kv head-blocks). A program either rotates one block of q heads, or handles one
 block of kv heads (k and v) of one token; every block is a (BLOCK_H, D/2) tile per rotate-half, so all heads
@@ -22,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels._common import check_float, check_int, check_same_device, next_pow2
+from nanovllm.kernels._common import check_cache, check_float, check_int, check_kv_scales, check_same_device, next_pow2
+from nanovllm.kernels.fp8_quant import fp8_quantize, fp8_scale
 
 
 @triton.jit
@@ -55,11 +57,30 @@ def _norm_rope_tile(X, W, QO, eps, cos, sin, offs_h, offs_d, mask,
 
 
 @triton.jit
+def _store_halves(C, CS, dst, sdst, x1, x2, mask, h_ok, HALF: tl.constexpr, FP8: tl.constexpr):
+    """Store both rotate-halves (heads, HALF_PAD) of a k or v tile at C + dst; e4m3: each head quantized over
+    both halves, its scale at CS + sdst."""
+    if FP8:
+        f1 = x1.to(tl.float32)
+        f2 = x2.to(tl.float32)
+        amax = tl.maximum(tl.max(tl.where(mask, tl.abs(f1), 0.0), axis=1),
+                          tl.max(tl.where(mask, tl.abs(f2), 0.0), axis=1))
+        s = fp8_scale(amax)
+        tl.store(C + dst, fp8_quantize(f1, s[:, None]), mask=mask)
+        tl.store(C + dst + HALF, fp8_quantize(f2, s[:, None]), mask=mask)
+        tl.store(CS + sdst, s, mask=h_ok)
+    else:
+        tl.store(C + dst, x1.to(C.dtype.element_ty), mask=mask)
+        tl.store(C + dst + HALF, x2.to(C.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _qkv_norm_rope_store_kernel(
-    QKV, POS, CS, QW, KW, QO, KC, VC, SLOTS, eps,
-    stride_t, stride_cs, stride_qot, stride_qoh, stride_cb, stride_cslot, stride_ch,
+    QKV, POS, CS, QW, KW, QO, KC, VC, KSC, VSC, SLOTS, eps,
+    stride_t, stride_cs, stride_qot, stride_qoh, stride_cb, stride_cslot, stride_ch, stride_sb, stride_ss,
     H: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr, NUM_QB: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
@@ -89,13 +110,13 @@ def _qkv_norm_rope_store_kernel(
                                      HAS_NORM, HEAD_DIM, HALF)
             dst = ((slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cslot
                    + offs_h[:, None] * stride_ch + offs_d[None, :])
-            tl.store(KC + dst, k1.to(KC.dtype.element_ty), mask=mask)
-            tl.store(KC + dst + HALF, k2.to(KC.dtype.element_ty), mask=mask)
+            sdst = (slot // BLOCK_SIZE) * stride_sb + (slot % BLOCK_SIZE) * stride_ss + offs_h
+            h_ok = offs_h < HKV
+            _store_halves(KC, KSC, dst, sdst, k1, k2, mask, h_ok, HALF, FP8)
             vsrc = row + (H + HKV) * HEAD_DIM + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
             v1 = tl.load(vsrc, mask=mask, other=0.0)
             v2 = tl.load(vsrc + HALF, mask=mask, other=0.0)
-            tl.store(VC + dst, v1.to(VC.dtype.element_ty), mask=mask)
-            tl.store(VC + dst + HALF, v2.to(VC.dtype.element_ty), mask=mask)
+            _store_halves(VC, VSC, dst, sdst, v1, v2, mask, h_ok, HALF, FP8)
 
 
 def launch_config(num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int]:
@@ -109,7 +130,8 @@ def qkv_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cach
                         q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, eps: float,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                         num_heads: int, num_kv_heads: int, head_dim: int,
-                        q_out: torch.Tensor | None = None) -> torch.Tensor:
+                        q_out: torch.Tensor | None = None, k_scales: torch.Tensor | None = None,
+                        v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Split the fused QKV projection output, [per-head RMSNorm q and k], RoPE q and k, store k and v in the
     paged cache and return q.
 
@@ -125,6 +147,7 @@ def qkv_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cach
         num_heads, num_kv_heads, head_dim: H, Hkv, D (D even).
         q_out: optional (T, H, D) output with a contiguous last dim; its dtype must be the result dtype
             (qkv's dtype, promoted with the norm weights' dtype when they are given).
+        k_scales, v_scales: with an e4m3 cache, its (num_blocks, block_size, Hkv) float32 scales (else None).
     Returns:
         q_out (T, H, D), normed and rotated.
     """
@@ -166,7 +189,7 @@ def qkv_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cach
     if tuple(k_cache.shape[2:]) != (Hkv, D):
         raise ValueError(f"{fn}: cache (num_kv_heads, head_dim) {tuple(k_cache.shape[2:])} != {(Hkv, D)}")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        check_float(f"{fn}: {name}", c)
+        check_cache(f"{fn}: {name}", c)
         if c.stride(3) != 1:
             raise ValueError(f"{fn}: {name} must have a contiguous last dim, got strides {tuple(c.stride())}")
     if k_cache.stride() != v_cache.stride():
@@ -187,6 +210,7 @@ def qkv_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cach
     if has_norm:
         tensors.update(q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight)
     check_same_device(**tensors)
+    fp8, stride_sb, stride_ss = check_kv_scales(fn, k_cache, v_cache, k_scales, v_scales)
     if T == 0:
         return q_out
     positions = positions.reshape(-1)
@@ -202,11 +226,11 @@ def qkv_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cach
         q_norm_weight = k_norm_weight = qkv  # unused placeholders
     block_h, n_qb, n_kb = launch_config(H, Hkv, D)
     _qkv_norm_rope_store_kernel[(T, n_qb + n_kb)](
-        qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping,
-        float(eps),
+        qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache,
+        k_scales if fp8 else k_cache, v_scales if fp8 else v_cache, slot_mapping, float(eps),
         qkv.stride(0), cos_sin_cache.stride(0), q_out.stride(0), q_out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_sb, stride_ss,
         H=H, HKV=Hkv, HEAD_DIM=D, HALF=D // 2, HALF_PAD=next_pow2(D // 2), BLOCK_H=block_h, NUM_QB=n_qb,
-        BLOCK_SIZE=k_cache.shape[1], HAS_NORM=has_norm, num_warps=4,
+        BLOCK_SIZE=k_cache.shape[1], HAS_NORM=has_norm, FP8=fp8, num_warps=4,
     )
     return q_out

@@ -14,6 +14,9 @@ Common design points
 * Keys past a sequence's length are never used: their loads are masked (stale or uninitialised cache memory,
   even NaN, cannot leak into the output). Sequences with ``seq_len == 0`` produce zeros.
 * No host syncs: every launch size comes from tensor shapes (and the host int ``max_seqlen_q``).
+* An e4m3 cache (``FP8``) is read with its per-(token, KV head) float32 scales: a key tile is converted to the
+  query's dtype (exact) and its scales multiply the scores after the dot; a value tile is dequantized in
+  registers (value * scale, float32, then the dot dtype), as ``torch_ref`` dequantizes the cache.
 """
 from __future__ import annotations
 
@@ -21,45 +24,61 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels._common import check_float, check_int, check_same_device, is_pow2
+from nanovllm.kernels._common import check_float, check_int, check_kv_scales, check_same_device, is_pow2
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def kv_rows(bt_row, n0, offs_n, n_limit, stride_kb, stride_ks,
-             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
-    """Element offsets (int64, without head/dim terms) of the cache rows holding keys n0 + offs_n."""
+def kv_slots(bt_row, n0, offs_n, n_limit, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """(physical block, offset in it), int64, of keys n0 + offs_n."""
     if BLOCK_SIZE % BLOCK_N == 0:
         # the whole tile sits in one physical block (tiles start at multiples of BLOCK_N)
         blk = tl.load(bt_row + n0 // BLOCK_SIZE).to(tl.int64)
-        rows = blk * stride_kb + ((n0 % BLOCK_SIZE) + offs_n).to(tl.int64) * stride_ks
+        pos = ((n0 % BLOCK_SIZE) + offs_n).to(tl.int64)
     else:
         n = n0 + offs_n
         if MASKED:
             blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n < n_limit, other=0).to(tl.int64)
         else:
             blk = tl.load(bt_row + n // BLOCK_SIZE).to(tl.int64)
-        rows = blk * stride_kb + (n % BLOCK_SIZE).to(tl.int64) * stride_ks
-    return rows
+        pos = (n % BLOCK_SIZE).to(tl.int64)
+    return blk, pos
 
 
 @triton.jit
-def kv_tile(K, V, bt_row, n0, offs_n, offs_d, n_limit, n_ok, head_off, stride_kb, stride_ks,
-             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr):
-    """The (BLOCK_N, HEAD_DIM) key and value tiles of keys n0 + offs_n of one KV head, upcast to float32 when
-    UPCAST. MASKED: keys at or past n_limit (n_ok = n0 + offs_n < n_limit, False) read as zeros."""
-    rows = kv_rows(bt_row, n0, offs_n, n_limit, stride_kb, stride_ks, BLOCK_SIZE, BLOCK_N, MASKED) + head_off
+def kv_tile(K, V, KS, VS, Q, bt_row, n0, offs_n, offs_d, n_limit, n_ok, head_off, kvh, stride_kb, stride_ks,
+            stride_sb, stride_ss, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+            UPCAST: tl.constexpr, FP8: tl.constexpr):
+    """The (BLOCK_N, HEAD_DIM) key and value tiles of keys n0 + offs_n of one KV head (head_off = its element
+    offset, kvh its index), in the query's (Q's) dtype, or float32 when UPCAST, and the keys' (BLOCK_N,) scales.
+    FP8: the keys as stored (scale them by the returned scales: 1.0 otherwise), the values dequantized.
+    MASKED: keys at or past n_limit (n_ok = n0 + offs_n < n_limit, False) read as zeros."""
+    blk, pos = kv_slots(bt_row, n0, offs_n, n_limit, BLOCK_SIZE, BLOCK_N, MASKED)
+    rows = blk * stride_kb + pos * stride_ks + head_off
     if MASKED:
         k = tl.load(K + rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
         v = tl.load(V + rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
     else:
         k = tl.load(K + rows[:, None] + offs_d[None, :])
         v = tl.load(V + rows[:, None] + offs_d[None, :])
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    return k, v
+    dt = tl.float32 if UPCAST else Q.dtype.element_ty
+    if FP8:
+        srows = blk * stride_sb + pos * stride_ss + kvh
+        if MASKED:
+            ks = tl.load(KS + srows, mask=n_ok, other=0.0)
+            vs = tl.load(VS + srows, mask=n_ok, other=0.0)
+        else:
+            ks = tl.load(KS + srows)
+            vs = tl.load(VS + srows)
+        k = k.to(dt)
+        v = (v.to(tl.float32) * vs[:, None]).to(dt)
+    else:
+        ks = tl.full([BLOCK_N], 1.0, tl.float32)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+    return k, v, ks
 
 
 @triton.jit
@@ -75,15 +94,20 @@ def online_softmax_step(qk, v, m_i, l_i, acc, PREC: tl.constexpr, SOME_ROWS_EMPT
     return m_new, l_i, acc
 
 
-def check_paged_args(fn: str, q, k_cache, v_cache, seq_lens, block_tables, out, out_shape):
+def check_paged_args(fn: str, q, k_cache, v_cache, seq_lens, block_tables, out, out_shape, k_scales=None,
+                     v_scales=None):
+    """Checks the arguments; returns (out, seq_lens, H, Hkv, D, block_size, B, (FP8, scales' block stride, their
+    slot stride))."""
     check_float(f"{fn}: q", q)
     if q.dim() != 3:
         raise ValueError(f"{fn}: q must be 3-D, got {tuple(q.shape)}")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(f"{fn}: k_cache/v_cache must both be (num_blocks, block_size, num_kv_heads, head_dim), "
                          f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"{fn}: cache dtype ({k_cache.dtype}/{v_cache.dtype}) must equal q dtype {q.dtype}")
+    fp8 = check_kv_scales(fn, k_cache, v_cache, k_scales, v_scales)
+    if not fp8[0] and (k_cache.dtype != q.dtype or v_cache.dtype != q.dtype):
+        raise ValueError(f"{fn}: cache dtype ({k_cache.dtype}/{v_cache.dtype}) must equal q dtype {q.dtype} "
+                         f"(or be float8_e4m3fn, with scales)")
     if k_cache.stride() != v_cache.stride():
         raise ValueError(f"{fn}: k_cache and v_cache must have the same strides, got {tuple(k_cache.stride())} "
                          f"and {tuple(v_cache.stride())}")
@@ -116,4 +140,4 @@ def check_paged_args(fn: str, q, k_cache, v_cache, seq_lens, block_tables, out, 
         if out.stride(2) != 1:
             raise ValueError(f"{fn}: out needs a contiguous head_dim, got strides {tuple(out.stride())}")
     seq_lens = seq_lens if seq_lens.is_contiguous() else seq_lens.contiguous()
-    return out, seq_lens, H, Hkv, D, block_size, B
+    return out, seq_lens, H, Hkv, D, block_size, B, fp8

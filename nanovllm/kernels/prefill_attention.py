@@ -13,10 +13,10 @@ from nanovllm.kernels.paged_common import LOG2E, check_paged_args, kv_tile, onli
 
 @triton.jit
 def _prefill_tile(
-    Q, K, V, Out, SEQ_LENS, BT, qk_scale, b, q_start, q_len, qb, kvh,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_bt,
+    Q, K, V, KS, VS, Out, SEQ_LENS, BT, qk_scale, b, q_start, q_len, qb, kvh,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_bt, stride_sb, stride_ss,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr,
 ):
     """Query tile qb (BLOCK_Q queries x the G heads of KV head kvh) of sequence b."""
     seq_len = tl.load(SEQ_LENS + b).to(tl.int32)
@@ -47,18 +47,26 @@ def _prefill_tile(
 
     # tiles strictly below the causal diagonal of every row: no masks at all
     for n0 in range(0, full_end, BLOCK_N):
-        k, v = kv_tile(K, V, bt_row, n0, offs_n, offs_d, kv_end, None, head_off, stride_kb, stride_ks,
-                        BLOCK_SIZE, BLOCK_N, False, UPCAST)
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        k, v, ks = kv_tile(K, V, KS, VS, Q, bt_row, n0, offs_n, offs_d, kv_end, None, head_off, kvh, stride_kb,
+                           stride_ks, stride_sb, stride_ss, BLOCK_SIZE, BLOCK_N, False, UPCAST, FP8)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+        if FP8:
+            qk = qk * (ks * qk_scale)[None, :]
+        else:
+            qk = qk * qk_scale
         m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, PREC, False)
 
     # tiles crossing the diagonal: causal + length masks
     for n0 in range(full_end, kv_end, BLOCK_N):
         n = n0 + offs_n
         n_ok = n < kv_end
-        k, v = kv_tile(K, V, bt_row, n0, offs_n, offs_d, kv_end, n_ok, head_off, stride_kb, stride_ks,
-                        BLOCK_SIZE, BLOCK_N, True, UPCAST)
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        k, v, ks = kv_tile(K, V, KS, VS, Q, bt_row, n0, offs_n, offs_d, kv_end, n_ok, head_off, kvh, stride_kb,
+                           stride_ks, stride_sb, stride_ss, BLOCK_SIZE, BLOCK_N, True, UPCAST, FP8)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+        if FP8:
+            qk = qk * (ks * qk_scale)[None, :]
+        else:
+            qk = qk * qk_scale
         visible = (n[None, :] <= q_abs[:, None]) & n_ok[None, :]
         qk = tl.where(visible, qk, float("-inf"))
         m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, PREC, True)  # rows may see nothing yet
@@ -81,12 +89,12 @@ def _seq_tiles(CU, offs_b, num_seqs, BLOCK_Q: tl.constexpr):
 # 1) would compile new variants mid-run (seen on an H200: ~1 s stalls in the first steps of a benchmark)
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _prefill_kernel(
-    Q, K, V, Out, CU, SEQ_LENS, BT, qk_scale, num_seqs,
+    Q, K, V, KS, VS, Out, CU, SEQ_LENS, BT, qk_scale, num_seqs,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_ks, stride_kh, stride_bt,
+    stride_kb, stride_ks, stride_kh, stride_bt, stride_sb, stride_ss,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_B: tl.constexpr,
-    PERSISTENT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    PERSISTENT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -113,9 +121,10 @@ def _prefill_kernel(
                 carry += tl.sum(n, axis=0)
             q_start = tl.load(CU + b).to(tl.int32)
             q_len = tl.load(CU + b + 1).to(tl.int32) - q_start
-            _prefill_tile(Q, K, V, Out, SEQ_LENS, BT, qk_scale, b, q_start, q_len, t - first, kvh,
+            _prefill_tile(Q, K, V, KS, VS, Out, SEQ_LENS, BT, qk_scale, b, q_start, q_len, t - first, kvh,
                           stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_bt,
-                          G, G_PAD, BLOCK_Q, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PREC, UPCAST)
+                          stride_sb, stride_ss, G, G_PAD, BLOCK_Q, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PREC,
+                          UPCAST, FP8)
     else:
         # Axis 0 enumerates query tiles of all sequences: sequence b owns tiles [start(b), start(b + 1)) with
         # start(b) = cu[b] // BLOCK_Q + b, which always covers its cdiv(q_len, BLOCK_Q) tiles (surplus tiles
@@ -135,9 +144,10 @@ def _prefill_kernel(
         q_len = tl.load(CU + b + 1).to(tl.int32) - q_start
         qb = pid - (q_start // BLOCK_Q + b)
         if (qb >= 0) & (qb * BLOCK_Q < q_len):
-            _prefill_tile(Q, K, V, Out, SEQ_LENS, BT, qk_scale, b, q_start, q_len, qb, kvh,
+            _prefill_tile(Q, K, V, KS, VS, Out, SEQ_LENS, BT, qk_scale, b, q_start, q_len, qb, kvh,
                           stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_bt,
-                          G, G_PAD, BLOCK_Q, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PREC, UPCAST)
+                          stride_sb, stride_ss, G, G_PAD, BLOCK_Q, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PREC,
+                          UPCAST, FP8)
 
 
 _PREFILL_BLOCK_B = 128  # sequences looked up per step of the tile -> sequence search
@@ -162,12 +172,14 @@ def _prefill_config(D: int, G_PAD: int, max_seqlen_q: int, dtype=torch.bfloat16)
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                             scale: float, max_seqlen_q: int, out: torch.Tensor | None = None, *,
-                            persistent: bool = False) -> torch.Tensor:
+                            persistent: bool = False, k_scales: torch.Tensor | None = None,
+                            v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a flat batch of queries over the paged cache (same semantics as ``paged_attention_ref``).
 
     Args:
         q: (T, H, D); may be a strided view (contiguous head_dim).
-        k_cache, v_cache: (num_blocks, block_size, Hkv, D), same dtype as q; this step's K/V already stored.
+        k_cache, v_cache: (num_blocks, block_size, Hkv, D), same dtype as q, or e4m3 with k_scales / v_scales
+            (num_blocks, block_size, Hkv) float32; this step's K/V already stored.
         cu_seqlens_q: (B + 1,) int query offsets; seq_lens: (B,) int; block_tables: (B, max_blocks) int, -1 pad.
         scale: softmax scale. max_seqlen_q: host int >= every q_len (only sizes the tiles; not read on device).
         out: optional (T, H, D) output buffer.
@@ -177,8 +189,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     Rows of ``out`` outside ``cu_seqlens_q[0] .. cu_seqlens_q[-1]`` are left untouched.
     """
     T = q.shape[0] if q.dim() == 3 else -1
-    out, seq_lens, H, Hkv, D, block_size, B = check_paged_args(
-        "paged_prefill_attention", q, k_cache, v_cache, seq_lens, block_tables, out, q.shape)
+    out, seq_lens, H, Hkv, D, block_size, B, (fp8, stride_sb, stride_ss) = check_paged_args(
+        "paged_prefill_attention", q, k_cache, v_cache, seq_lens, block_tables, out, q.shape, k_scales, v_scales)
     check_int("paged_prefill_attention: cu_seqlens_q", cu_seqlens_q)
     if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] != B + 1:
         raise ValueError(f"paged_prefill_attention: cu_seqlens_q must be (B + 1 = {B + 1},), got "
@@ -196,11 +208,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     else:
         grid = (T // BLOCK_Q + B, Hkv)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, float(scale) * LOG2E, B,
+        q, k_cache, v_cache, k_scales if fp8 else k_cache, v_scales if fp8 else v_cache, out, cu_seqlens_q, seq_lens,
+        block_tables, float(scale) * LOG2E, B,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), stride_sb, stride_ss,
         G=G, G_PAD=G_PAD, BLOCK_Q=BLOCK_Q, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D,
         BLOCK_SIZE=block_size, BLOCK_B=_PREFILL_BLOCK_B, PERSISTENT=bool(persistent), PREC=dot_precision(q.dtype),
-        UPCAST=upcast_dots(q.dtype), num_warps=warps, num_stages=stages,
+        UPCAST=upcast_dots(q.dtype), FP8=fp8, num_warps=warps, num_stages=stages,
     )
     return out

@@ -3,11 +3,13 @@
 The layer owns the sharding: each parameter carries a `weight_loader(param, checkpoint_tensor, shard_id=None)`
 that copies this rank's slice of a checkpoint tensor into place, so loading fused or sharded weights is one call
 per checkpoint tensor. The layer's `LinearMethod` (chosen when the model is built, from its quantization) owns
-how the weight is stored and multiplied: `UnquantizedLinearMethod` today. With a group of size 1 every layer is
-a plain linear.
+how the weight is stored and multiplied: `UnquantizedLinearMethod` here, the FP8 methods in
+`nanovllm.layers.quantization`. A method's extra parameters (scales) that shard with the weight load through the
+layer's `shard_slice`. With a group of size 1 every layer is a plain linear.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -35,6 +37,16 @@ class LinearMethod(Protocol):
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None,
               out: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T (+ bias)`` for x (N, in_features) -> (N, out_features), into ``out`` when given."""
+
+
+@dataclass(frozen=True)
+class ShardSlice:
+    """Where this rank's part of one checkpoint tensor goes, along the dimension the layer shards: elements
+    ``src .. src + size`` of the checkpoint tensor land at ``dst .. dst + size`` of the parameter."""
+    dim: int   # 0: output features (column-parallel layers), 1: input features (row-parallel)
+    dst: int
+    src: int
+    size: int
 
 
 class GemmPlan:
@@ -89,8 +101,16 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    def shard_slice(self, shard_id=None) -> ShardSlice | None:
+        """This rank's slice of the checkpoint tensor `shard_id` names (None: the whole tensor, unsharded)."""
+        return None
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        _copy(param.data, loaded)
+        s = self.shard_slice(shard_id)
+        if s is None or s.dim >= param.dim():  # unsharded (or a row-parallel layer's bias: whole on every rank)
+            _copy(param.data, loaded)
+            return
+        _copy(param.data.narrow(s.dim, s.dst, s.size), loaded.narrow(s.dim, s.src, s.size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x, self.bias)
@@ -109,9 +129,9 @@ class ColumnParallelLinear(LinearBase):
                  method: LinearMethod | None = None):
         super().__init__(in_features, _divide(out_features, tp.size, "output features"), bias, tp, method)
 
-    def weight_loader(self, param, loaded, shard_id=None):
-        n = param.shape[0]
-        _copy(param.data, loaded.narrow(0, self.tp.rank * n, n))
+    def shard_slice(self, shard_id=None):
+        n = self.out_features
+        return ShardSlice(0, 0, self.tp.rank * n, n)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -124,12 +144,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             _divide(n, tp.size, f"output features of part {i}")
         super().__init__(in_features, sum(output_sizes), bias, tp, method)
 
-    def weight_loader(self, param, loaded, shard_id=None):
+    def shard_slice(self, shard_id=None):
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"bad shard id {shard_id!r} for merged linear of {len(self.output_sizes)} parts")
         size = self.output_sizes[shard_id] // self.tp.size
         offset = sum(self.output_sizes[:shard_id]) // self.tp.size
-        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp.rank * size, size))
+        return ShardSlice(0, offset, self.tp.rank * size, size)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -152,17 +172,14 @@ class QKVParallelLinear(ColumnParallelLinear):
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         LinearBase.__init__(self, hidden_size, out, bias, tp, method)
 
-    def weight_loader(self, param, loaded, shard_id=None):
+    def shard_slice(self, shard_id=None):
         d = self.head_dim
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         if shard_id == "q":
-            dst, src = param.data.narrow(0, 0, q_size), loaded.narrow(0, self.tp.rank * q_size, q_size)
-        elif shard_id in ("k", "v"):
-            offset = q_size if shard_id == "k" else q_size + kv_size
-            dst, src = param.data.narrow(0, offset, kv_size), loaded.narrow(0, self.kv_start * d, kv_size)
-        else:
-            raise ValueError(f"bad shard id {shard_id!r} for qkv projection (want 'q', 'k' or 'v')")
-        _copy(dst, src)
+            return ShardSlice(0, 0, self.tp.rank * q_size, q_size)
+        if shard_id in ("k", "v"):
+            return ShardSlice(0, q_size if shard_id == "k" else q_size + kv_size, self.kv_start * d, kv_size)
+        raise ValueError(f"bad shard id {shard_id!r} for qkv projection (want 'q', 'k' or 'v')")
 
 
 class RowParallelLinear(LinearBase):
@@ -172,12 +189,10 @@ class RowParallelLinear(LinearBase):
                  method: LinearMethod | None = None):
         super().__init__(_divide(in_features, tp.size, "input features"), out_features, bias, tp, method)
 
-    def weight_loader(self, param, loaded, shard_id=None):
-        if param.dim() == 1:  # bias: whole, added once after the reduce
-            _copy(param.data, loaded)
-            return
-        n = param.shape[1]
-        _copy(param.data, loaded.narrow(1, self.tp.rank * n, n))
+    def shard_slice(self, shard_id=None):
+        # (the bias, 1-D, is whole on every rank: added once, by rank 0, after the reduce)
+        n = self.in_features
+        return ShardSlice(1, 0, self.tp.rank * n, n)
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """The summed output; with reduce=False this rank's partial sum, for ``TPGroup.all_reduce_add_norm``."""

@@ -5,7 +5,8 @@ They differ only in small switches: Qwen2 has q/k/v biases (and no o_proj bias),
 and key head (q_norm / k_norm) before RoPE, Llama 3 scales RoPE frequencies; the MoE models replace the dense
 MLP of their sparse layers by `SparseMoeBlock` (`make_mlp` picks per layer from the config). Every layer is
 built from one `LayerContext`: its tensor-parallel group (size 1 = no sharding), its kernels, the attention
-backend and the linear and MoE methods.
+backend, the MoE method, and each linear layer's method, asked for by the layer's checkpoint name (its
+quantization may differ from layer to layer).
 """
 from __future__ import annotations
 
@@ -40,16 +41,17 @@ class DecoderVariant:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, variant: DecoderVariant, ctx: LayerContext):
+    def __init__(self, cfg: ModelConfig, variant: DecoderVariant, ctx: LayerContext, prefix: str):
         super().__init__()
         d = cfg.head_dim
         qkv_bias = cfg.attention_bias if variant.qkv_bias is None else variant.qkv_bias
         o_bias = cfg.attention_bias if variant.o_bias is None else variant.o_bias
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_heads, cfg.num_kv_heads, qkv_bias, ctx.tp,
-                                          ctx.linear_method)
+                                          ctx.linear(f"{prefix}.qkv_proj"))
         self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
-        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, o_bias, ctx.tp, ctx.linear_method)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, o_bias, ctx.tp,
+                                        ctx.linear(f"{prefix}.o_proj"))
         self.rotary_emb = RotaryEmbedding(d, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, ctx.ops)
         self.attn = Attention(self.num_heads, d, self.num_kv_heads, d ** -0.5, ctx.attention)
         if variant.qk_norm:
@@ -73,7 +75,8 @@ class DecoderAttention(nn.Module):
             q = self.fused_qkv(qkv, positions, self.rotary_emb.cos_sin_cache,
                                None if qn is None else qn.weight, None if kn is None else kn.weight,
                                0.0 if qn is None else qn.eps, self.attn.k_cache, self.attn.v_cache,
-                               meta.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim)  # (T, H, D)
+                               meta.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim,
+                               k_scales=self.attn.k_scales, v_scales=self.attn.v_scales)  # (T, H, D)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.reshape(T, self.num_heads, self.head_dim)
@@ -90,14 +93,15 @@ class DecoderAttention(nn.Module):
 class DecoderMLP(nn.Module):
     """The dense SwiGLU feed-forward block (intermediate_size None: the config's)."""
 
-    def __init__(self, cfg: ModelConfig, ctx: LayerContext, intermediate_size: int | None = None):
+    def __init__(self, cfg: ModelConfig, ctx: LayerContext, prefix: str, intermediate_size: int | None = None):
         super().__init__()
         if cfg.hidden_act != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only 'silu')")
         inter = cfg.intermediate_size if intermediate_size is None else intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter] * 2, cfg.mlp_bias, ctx.tp,
-                                                       ctx.linear_method)
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, ctx.tp, ctx.linear_method)
+                                                       ctx.linear(f"{prefix}.gate_up_proj"))
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, ctx.tp,
+                                           ctx.linear(f"{prefix}.down_proj"))
         self.act = ctx.ops.silu_and_mul
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
@@ -109,7 +113,7 @@ class SparseMoeBlock(nn.Module):
     every expert, each token runs through its top-k (``experts``, a `FusedMoE`); Qwen2-MoE adds an always-on
     ``shared_expert`` scaled by sigmoid(``shared_expert_gate`` x)."""
 
-    def __init__(self, cfg: ModelConfig, ctx: LayerContext):
+    def __init__(self, cfg: ModelConfig, ctx: LayerContext, prefix: str):
         super().__init__()
         self.tp = ctx.tp
         self.gate = Router(cfg.num_experts, cfg.hidden_size)
@@ -117,7 +121,7 @@ class SparseMoeBlock(nn.Module):
                                 cfg.norm_topk_prob, ctx.tp, ctx.ops, ctx.moe_method)
         self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
-            self.shared_expert = DecoderMLP(cfg, ctx, cfg.shared_expert_intermediate_size)
+            self.shared_expert = DecoderMLP(cfg, ctx, f"{prefix}.shared_expert", cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = Router(1, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
@@ -136,14 +140,15 @@ def make_mlp(cfg: ModelConfig, layer_idx: int, ctx: LayerContext) -> nn.Module:
     """Layer `layer_idx`'s feed-forward block: a module with ``forward(x, reduce) -> (T, hidden)`` partial sums
     (``reduce=False``: this rank's, for ``TPGroup.all_reduce_add_norm``): the mixture of experts for the sparse
     layers of an MoE model (``ModelConfig.is_moe_layer``), the dense MLP otherwise."""
-    return SparseMoeBlock(cfg, ctx) if cfg.is_moe_layer(layer_idx) else DecoderMLP(cfg, ctx)
+    prefix = f"model.layers.{layer_idx}.mlp"
+    return SparseMoeBlock(cfg, ctx, prefix) if cfg.is_moe_layer(layer_idx) else DecoderMLP(cfg, ctx, prefix)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, variant: DecoderVariant, layer_idx: int, ctx: LayerContext):
         super().__init__()
         self.tp = ctx.tp
-        self.self_attn = DecoderAttention(cfg, variant, ctx)
+        self.self_attn = DecoderAttention(cfg, variant, ctx, f"model.layers.{layer_idx}.self_attn")
         self.mlp = make_mlp(cfg, layer_idx, ctx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.ops)

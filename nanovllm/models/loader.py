@@ -68,7 +68,10 @@ def load_safetensors(model: nn.Module, model_dir: str) -> None:
                                          f"parameter wants {tuple(param.shape)}")
                     param.data.copy_(tensor)
                 else:
-                    loader(param, tensor, shard)
+                    try:
+                        loader(param, tensor, shard)
+                    except ValueError as e:
+                        raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
                 seen.add(target)
                 shards.setdefault(target, set()).add(shard)
     missing = sorted(n for n in params if n not in seen and not (tied and n == "lm_head.weight"))
@@ -86,12 +89,16 @@ def load_safetensors(model: nn.Module, model_dir: str) -> None:
 def init_dummy(model: nn.Module, seed: int, rank: int = 0) -> None:
     """Random weights with a plausible scale (benchmarks without a checkpoint): N(0, 0.02) matrices (the stacked
     experts and the routers too), norms 1, biases 0. A tensor-parallel rank draws its shards from seed + rank;
-    parameters marked ``replicated`` (a router) are drawn from `seed` alone, the same on every rank."""
+    parameters marked ``replicated`` (a router) are drawn from `seed` alone, the same on every rank. A parameter
+    stored in another form (e4m3 weights and their scales) carries its own ``dummy_init(param, generator)``."""
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed + rank)
     same = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
+        init = getattr(p, "dummy_init", None)
+        if init is not None:
+            init(p, gen)
+        elif name.endswith("norm.weight"):
             p.fill_(1.0)
         elif p.dim() == 1:
             p.zero_()

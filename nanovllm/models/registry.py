@@ -34,6 +34,12 @@ def check_supported(cfg: ModelConfig) -> None:
         raise ValueError("sliding-window attention is not supported")
 
 
+def packed_modules_mapping(cfg: ModelConfig) -> dict[str, tuple[str, object]]:
+    """Checkpoint module name -> (the fused module that holds it, its shard id) for this architecture."""
+    check_supported(cfg)
+    return DecoderForCausalLM.packed_modules_mapping
+
+
 def build_model(cfg: ModelConfig, ctx: LayerContext) -> DecoderForCausalLM:
     check_supported(cfg)
     return DecoderForCausalLM(cfg, MODEL_REGISTRY[cfg.architecture], ctx)

@@ -1,0 +1,131 @@
+"""FP8 (e4m3) quantization in Triton: the jit helpers every FP8 writer uses (the KV-store kernels, the activation
+quantizers) and the dynamic activation quantizers of the FP8 linear layers.
+
+The scheme is ``nanovllm.layers.quantization.fp8_ref``'s (scale = max(amax / 448, 2^-40) per group, value =
+e4m3(clamp(x / scale)), nearest-even), bit for bit: the divisions are IEEE (``div_rn``), and the rounding to
+e4m3 is done in float32 arithmetic (``e4m3_round``) before the cast, so the cast itself is exact. (The Triton
+interpreter's float32 -> e4m3 cast mis-rounds: no carry into the exponent, no ties-to-even, no saturation; the
+GPU's is right but then the interpreter would test another path. A few integer operations per element in
+memory-bound kernels.)
+
+* ``per_token_quant_fp8(x)``             -> (q (M, K) e4m3, s (M, 1) float32)   (reference ``quantize_rows``)
+* ``per_token_group_quant_fp8(x, group)`` -> (q (M, K) e4m3, s (M, K // group))  (reference ``quantize_groups``)
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels._common import check_float, next_pow2
+
+FP8_MAX = 448.0
+FP8_MIN_SCALE = 2.0 ** -40
+
+
+@triton.jit
+def e4m3_round(x):
+    """float32 x -> the nearest e4m3 value (ties to even), saturated to +-448, still as float32."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = bits & -2147483648
+    a = tl.minimum(tl.abs(x), 448.0)
+    # normal range (>= 2^-6): keep 3 of float32's 23 mantissa bits, rounding half to even (a carry moves into the
+    # exponent, as it should)
+    ab = a.to(tl.int32, bitcast=True)
+    ab = (ab + 0x7FFFF + ((ab >> 20) & 1)) & -0x100000
+    normal = ab.to(tl.float32, bitcast=True)
+    # subnormal range (< 2^-6): multiples of 2^-9; adding 1.5 * 2^14 (whose ulp is 2^-9) rounds to them
+    sub = (a + 24576.0) - 24576.0
+    r = tl.where(a < 0.015625, sub, normal)
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp8_scale(amax):
+    """The float32 scale of groups whose largest magnitude is amax."""
+    return tl.maximum(tl.math.div_rn(amax, 448.0), 9.094947017729282e-13)  # 2^-40
+
+
+@triton.jit
+def fp8_quantize(x, scale):
+    """e4m3 of x / scale (float32 operands, broadcast)."""
+    return e4m3_round(tl.math.div_rn(x, scale)).to(tl.float8e4nv)
+
+
+@triton.jit
+def _per_token_quant_kernel(X, Q, S, K, stride_x, stride_q, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_K)
+    x_row = X + row * stride_x
+    q_row = Q + row * stride_q
+    if ONE_PASS:  # the whole row in one tile
+        ok = offs < K
+        x = tl.load(x_row + offs, mask=ok, other=0.0).to(tl.float32)
+        s = fp8_scale(tl.max(tl.abs(x), axis=0))
+        tl.store(q_row + offs, fp8_quantize(x, s), mask=ok)
+    else:
+        amax = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ok = k0 + offs < K
+            amax = tl.maximum(amax, tl.abs(tl.load(x_row + k0 + offs, mask=ok, other=0.0).to(tl.float32)))
+        s = fp8_scale(tl.max(amax, axis=0))
+        for k0 in range(0, K, BLOCK_K):
+            ok = k0 + offs < K
+            x = tl.load(x_row + k0 + offs, mask=ok, other=0.0).to(tl.float32)
+            tl.store(q_row + k0 + offs, fp8_quantize(x, s), mask=ok)
+    tl.store(S + row, s)
+
+
+@triton.jit
+def _group_quant_kernel(X, Q, S, num_groups, stride_x, stride_q, stride_s,
+                        GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    gs = tl.program_id(1) * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
+    g_ok = gs < num_groups
+    offs = gs[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    x = tl.load(X + row * stride_x + offs, mask=g_ok[:, None], other=0.0).to(tl.float32)
+    s = fp8_scale(tl.max(tl.abs(x), axis=1))                                 # (GROUPS_PER_PROG,)
+    tl.store(Q + row * stride_q + offs, fp8_quantize(x, s[:, None]), mask=g_ok[:, None])
+    tl.store(S + row * stride_s + gs, s, mask=g_ok)
+
+
+def _check_2d(fn: str, x: torch.Tensor) -> None:
+    check_float(f"{fn}: x", x)
+    if x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1):
+        raise ValueError(f"{fn}: x must be 2-D with a contiguous last dim, got shape {tuple(x.shape)} strides "
+                         f"{tuple(x.stride())}")
+
+
+def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token quantization of activations x (M, K): (q (M, K) e4m3, contiguous; s (M, 1) float32).
+    Launch sizes come from shapes only (CUDA-graph safe)."""
+    _check_2d("per_token_quant_fp8", x)
+    M, K = x.shape
+    q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((M, 1), dtype=torch.float32, device=x.device)
+    if M == 0 or K == 0:
+        return q, s
+    block = min(next_pow2(K), 4096)
+    _per_token_quant_kernel[(M,)](x, q, s, K, x.stride(0), q.stride(0), BLOCK_K=block, ONE_PASS=block >= K,
+                                  num_warps=4 if block <= 2048 else 8)
+    return q, s
+
+
+def per_token_group_quant_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic quantization per token and per ``group`` consecutive columns (the activations of a block-FP8
+    GEMM): x (M, K), K a multiple of group (a power of two >= 16) -> (q (M, K) e4m3, s (M, K // group) float32)."""
+    fn = "per_token_group_quant_fp8"
+    _check_2d(fn, x)
+    M, K = x.shape
+    if group < 16 or group & (group - 1) or K % group:
+        raise ValueError(f"{fn}: the group size must be a power of two >= 16 dividing K={K}, got {group}")
+    num_groups = K // group
+    q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((M, num_groups), dtype=torch.float32, device=x.device)
+    if M == 0 or K == 0:
+        return q, s
+    per_prog = max(1, min(next_pow2(num_groups), 4096 // group))
+    grid = (M, triton.cdiv(num_groups, per_prog))
+    _group_quant_kernel[grid](x, q, s, num_groups, x.stride(0), q.stride(0), s.stride(0), GROUP=group,
+                              GROUPS_PER_PROG=per_prog, num_warps=4)
+    return q, s

@@ -1,0 +1,147 @@
+"""The FP8 linear methods (see ``nanovllm.layers.quantization`` for when each is used).
+
+Both quantize the activations on the fly (no calibration): per token for the online method, per token and
+``bk`` columns for the block method. With ``use_kernels`` they run the Triton quantizers and, on CUDA,
+``torch._scaled_mm`` with row-wise scales (online) or the Triton block GEMM (checkpoint); otherwise the torch
+references of ``fp8_ref`` (quantize, dequantize, multiply in float32): the same math, which the CPU tests run.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nanovllm.layers.linear import LinearBase
+from nanovllm.layers.quantization import fp8_ref
+from nanovllm.layers.quantization.fp8_ref import FP8_DTYPE
+
+
+def _into(y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
+
+
+def _scaled_mm_fits(w: torch.Tensor) -> bool:
+    """Whether ``torch._scaled_mm`` takes products with weight w (N, K): on CUDA, K and N multiples of 16 (and a
+    bf16 output, checked per call: its CUTLASS row-wise path, used below cuBLAS 12.9, takes no other in some torch
+    versions; fp16 / float32 outputs go through the Triton GEMM)."""
+    return w.is_cuda and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0
+
+
+class Fp8LinearMethod:
+    """Online FP8: the checkpoint's weight loads in the model dtype and is quantized once it is in place (random
+    weights too): e4m3 with one float32 scale per output channel. Each product quantizes its input per token."""
+
+    def __init__(self, use_kernels: bool):
+        self.use_kernels = use_kernels
+
+    def create_weights(self, layer, in_features, out_features):
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)  # model dtype
+        layer.weight.weight_loader = layer.weight_loader
+
+    def process_weights_after_loading(self, layer):
+        q, s = fp8_ref.quantize_rows(layer.weight.data)
+        layer.weight = nn.Parameter(q, requires_grad=False)                  # (N, K) e4m3
+        layer.weight_scale = nn.Parameter(s.view(-1), requires_grad=False)   # (N,) float32
+        layer.fp8_scaled_mm = self.use_kernels and _scaled_mm_fits(q)
+
+    def apply(self, layer, x, bias, out=None):
+        w, ws = layer.weight, layer.weight_scale
+        if not self.use_kernels:
+            xq, xs = fp8_ref.quantize_rows(x)
+            return _into(fp8_ref.fp8_linear_rowwise_ref(xq, xs, w, ws, x.dtype, bias), out)
+        from nanovllm import kernels
+        xq, xs = kernels.per_token_quant_fp8(x)
+        if not (layer.fp8_scaled_mm and x.dtype == torch.bfloat16):
+            return kernels.w8a8_gemm(xq, xs, w, ws, x.dtype, bias=bias, out=out)
+        kw = {} if out is None else {"out": out}
+        y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws.view(1, -1), out_dtype=x.dtype, **kw)
+        return y if bias is None else y.add_(bias)
+
+
+class Fp8BlockLinearMethod:
+    """A block-FP8 checkpoint's layer: ``weight`` (N, K) e4m3 and ``weight_scale_inv`` (ceil(N / bn), ceil(K / bk))
+    float32, the dequantization multiplier of each bn x bk tile (the Hub's name, despite the "inv"). Both load
+    through the layer's sharding: a fused or tensor-parallel layer's scales shard with its rows / columns, which
+    must then fall on whole tiles."""
+
+    def __init__(self, block: tuple[int, int], use_kernels: bool):
+        self.block = tuple(block)
+        self.use_kernels = use_kernels
+
+    def create_weights(self, layer, in_features, out_features):
+        bn, bk = self.block
+        if in_features % bk:
+            raise ValueError(f"{type(layer).__name__}: {in_features} input features per rank are not a multiple of "
+                             f"the checkpoint's weight_block_size {bk} (per-token activation groups of {bk})")
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False)
+        layer.weight.weight_loader = _fp8_weight_loader(layer)
+        layer.weight.dummy_init = _dummy_fp8
+        layer.weight_scale_inv = nn.Parameter(torch.empty(-(-out_features // bn), -(-in_features // bk),
+                                                          dtype=torch.float32), requires_grad=False)
+        layer.weight_scale_inv.weight_loader = _block_scale_loader(layer, self.block)
+        layer.weight_scale_inv.dummy_init = _dummy_scale
+
+    def process_weights_after_loading(self, layer):
+        pass
+
+    def apply(self, layer, x, bias, out=None):
+        w, ws, bk = layer.weight, layer.weight_scale_inv, self.block[1]
+        if not self.use_kernels:
+            xq, xs = fp8_ref.quantize_groups(x, bk)
+            return _into(fp8_ref.fp8_linear_block_ref(xq, xs, w, ws, self.block, x.dtype, bias), out)
+        from nanovllm import kernels
+        xq, xs = kernels.per_token_group_quant_fp8(x, bk)
+        return kernels.w8a8_gemm(xq, xs, w, ws, x.dtype, block=self.block, bias=bias, out=out)
+
+
+def _fp8_weight_loader(layer: LinearBase):
+    def load(param, loaded, shard_id=None):
+        if loaded.dtype != FP8_DTYPE:
+            raise ValueError(f"the fp8 checkpoint format stores this {type(layer).__name__} weight as float8_e4m3fn, "
+                             f"found {loaded.dtype} (a module kept unquantized belongs in quantization_config's "
+                             f"modules_to_not_convert)")
+        layer.weight_loader(param, loaded, shard_id)
+    return load
+
+
+def _block_scale_loader(layer: LinearBase, block: tuple[int, int]):
+    """Loads a checkpoint's tile scales into the layer's scale parameter along the layer's own ``shard_slice``,
+    in units of tiles."""
+    def load(param, loaded, shard_id=None):
+        s = layer.shard_slice(shard_id)
+        if s is None:
+            if param.shape != loaded.shape:
+                raise ValueError(f"checkpoint scales of shape {tuple(loaded.shape)} do not fit {tuple(param.shape)}")
+            param.data.copy_(loaded)
+            return
+        b = block[s.dim]
+        local = layer.out_features if s.dim == 0 else layer.in_features
+        # a slice must start on a tile and end on one, or at the end of both the checkpoint tensor and the parameter
+        # (a partial last tile); otherwise two slices (fused parts, ranks) would share a tile and its one scale
+        ends_src = s.src + s.size > (loaded.shape[s.dim] - 1) * b
+        ok = s.src % b == 0 and s.dst % b == 0 and (s.size % b == 0 or (ends_src and s.dst + s.size == local))
+        if not ok:
+            what = "rows" if s.dim == 0 else "columns"
+            raise ValueError(
+                f"{type(layer).__name__} (shard {shard_id!r}): {what} {s.src}..{s.src + s.size} of the checkpoint "
+                f"tensor (to {s.dst}.. of this rank's {local}) do not fall on whole {b}-wide weight blocks, so they "
+                f"can't take their block scales with them; with tensor_parallel_size={layer.tp.size} this layer's "
+                f"parts are not multiples of {b} (use a tensor_parallel_size that keeps them so)")
+        n = -(-s.size // b)
+        dst = param.data.narrow(s.dim, s.dst // b, n)
+        src = loaded.narrow(s.dim, s.src // b, n)
+        if dst.shape != src.shape:
+            raise ValueError(f"checkpoint scales of shape {tuple(src.shape)} do not fit {tuple(dst.shape)}")
+        dst.copy_(src)
+    return load
+
+
+def _dummy_fp8(p: torch.Tensor, gen: torch.Generator) -> None:
+    """Random e4m3 values spread over the format's range (with _dummy_scale: weights ~ N(0, 0.02))."""
+    p.copy_((torch.randn(p.shape, generator=gen, device=p.device) * 64.0).clamp(-448.0, 448.0).to(FP8_DTYPE))
+
+
+def _dummy_scale(p: torch.Tensor, gen: torch.Generator) -> None:
+    p.fill_(0.02 / 64.0)

@@ -1,0 +1,318 @@
+"""FP8 in the engine on CPU: online FP8 weights, the e4m3 KV cache and a block-FP8 checkpoint (written here) load
+and generate, token for token equal to transformers running the same quantization (fake-quantized: quantize
+and dequantize exactly as the engine does, tests/fp8_helpers.py), with chunked prefill, prefix hits, preemption
+and tensor parallelism; close to the unquantized model; bad values rejected by name."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.config import EngineArgs, EngineConfig
+from tests.conftest import make_prompts
+from tests.fp8_helpers import assert_same_tokens, greedy, reference_model, write_block_fp8_checkpoint
+
+MAX_NEW = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+CPU = dict(device="cpu", dtype="float32")
+# a tiny Qwen3 whose projections divide into whole 128 x 128 blocks, also per rank at TP=2 (q 512, k/v 256, o_proj
+# in 512, gate/up 256, down in 256)
+BLOCK_ARCH = dict(hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=128, intermediate_size=256)
+
+
+def _tokens(path, prompts, params=GREEDY, **kw):
+    llm = LLM(path, **{**CPU, **kw})
+    try:
+        return [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def refs():
+    """refs(path, weights=None, kv=False, ...) -> the fake-quantized transformers model (cached)."""
+    cache = {}
+
+    def get(path, weights=None, kv=False, skip=(), tp=1):
+        key = (path, weights, kv, skip, tp)
+        if key not in cache:
+            cache[key] = reference_model(path, weights, kv, skip, tp)
+        return cache[key]
+    return get
+
+
+@pytest.fixture(scope="module")
+def block_ckpt(tiny_ckpt, tmp_path_factory):
+    """(bf16/fp32 source checkpoint, its block-FP8 copy in the Hub's format)."""
+    src = tiny_ckpt("qwen3", **BLOCK_ARCH)
+    return src, write_block_fp8_checkpoint(src, str(tmp_path_factory.mktemp("fp8") / "qwen3-fp8"))
+
+
+def _with_quant_config(src, dst, qcfg):
+    os.makedirs(dst)
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = qcfg
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return dst
+
+
+# --- arguments ---------------------------------------------------------------------------------------------------
+
+def test_bad_values_are_named(tiny_ckpt, tmp_path):
+    path = tiny_ckpt("qwen3")
+    with pytest.raises(ValueError, match="quantization must be None or 'fp8', got 'awq'"):
+        EngineArgs(model=path, quantization="awq")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be .*'fp8'.*got 'int4'"):
+        EngineArgs(model=path, kv_cache_dtype="int4")
+    for i, (qcfg, match) in enumerate([
+        ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' is not supported"),
+        ({"quant_method": "awq"}, "'awq'"),
+        ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}, "'static'"),
+        ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "without weight_block_size"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 100]}, "powers of two"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e5m2"}, "'e5m2'"),
+    ]):
+        with pytest.raises(ValueError, match=match):
+            EngineConfig.resolve(EngineArgs(model=_with_quant_config(path, str(tmp_path / str(i)), qcfg)))
+
+
+def test_engine_args_and_cli(tiny_ckpt):
+    from nanovllm.cli import _HELP, build_parser, engine_kwargs
+    cfg = EngineConfig.resolve(EngineArgs(model=tiny_ckpt("qwen3"), device="cpu", quantization="fp8",
+                                          kv_cache_dtype="fp8_e4m3"))
+    assert cfg.quantization.method == "fp8" and not cfg.quantization.checkpoint
+    assert cfg.cache_dtype == torch.float8_e4m3fn
+    plain = EngineConfig.resolve(EngineArgs(model=tiny_ckpt("qwen3"), device="cpu"))
+    assert plain.quantization is None and plain.cache_dtype == plain.dtype == torch.float32
+    ns = build_parser().parse_args(["generate", "--quantization", "fp8", "--kv-cache-dtype", "fp8"])
+    assert engine_kwargs(ns) == {"quantization": "fp8", "kv_cache_dtype": "fp8"}
+    assert "fp8" in _HELP["quantization"] and "fp8" in _HELP["kv_cache_dtype"]
+
+
+# --- online FP8 weights ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])  # qwen2: q/k/v biases beside the FP8 GEMM
+def test_online_fp8_matches_fake_quant_reference(arch, tiny_ckpt, refs):
+    path = tiny_ckpt(arch)
+    prompts = make_prompts()
+    out = _tokens(path, prompts, quantization="fp8", max_num_batched_tokens=128)   # chunked prefill
+    ref_model = refs(path, "rows")
+    assert_same_tokens(ref_model, prompts, greedy(ref_model, prompts, MAX_NEW), out)
+
+
+def test_fp8_first_tokens_agree_with_unquantized(tiny_ckpt):
+    """How close FP8 stays to the unquantized model: the first greedy token of 64 random prompts.
+
+    An e4m3 value keeps 3 mantissa bits: rounding moves each weight and activation by up to 2^-4 of itself
+    (~2.5% RMS), so one quantized projection is off by ~3.5% of its output (two roundings; 3.5% measured). The
+    tiny random model chains ten of them (two layers of q/k/v -> o, gate/up -> down) and, unlike a trained
+    model, its residual stream does not dilute them (its block outputs are larger than its inputs), so its logits
+    move by ~15% of their RMS (~0.35 of 2.3, measured on 200 prompts). A quarter of random prompts have a top-2
+    gap below 0.2 (tests/test_tiny_model.py: median ~0.5), so a fifth to a quarter of first tokens flip: 159 of
+    200 agree (80%); we assert two thirds of 64. No flip where the gap is large: every prompt whose top-2 gap
+    exceeds 1.5 (4x the logit error) agrees. The e4m3 KV cache alone moves the logits by ~4.6%: ~90% agree."""
+    path = tiny_ckpt("qwen3")
+    prompts = make_prompts([1 + (37 * i) % 300 for i in range(64)], seed=5)
+    one = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2)
+    llm = LLM(path, **CPU)
+    base = llm.generate(prompts, one, use_tqdm=False)
+    llm.shutdown()
+    top2 = [sorted((lp.logprob for lp in o["logprobs"][0].values()), reverse=True)[:2] for o in base]
+    gaps = [a - b for a, b in top2]
+    for kw, at_least in ((dict(quantization="fp8"), 2 / 3), (dict(kv_cache_dtype="fp8"), 0.8)):
+        out = _tokens(path, prompts, one, **kw)
+        agree = [o == b["token_ids"] for o, b in zip(out, base)]
+        assert sum(agree) >= at_least * len(prompts), (kw, sum(agree))
+        assert all(a or g < 1.5 for a, g in zip(agree, gaps)), (kw, [g for a, g in zip(agree, gaps) if not a])
+
+
+# --- the e4m3 KV cache -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_fp8_kv_cache_matches_fake_quant_reference(arch, tiny_ckpt, refs):
+    """K/V quantized per (token, head) when stored, dequantized when read: the same tokens as transformers with
+    K/V fake-quantized the same way, through chunked prefill, preemption (recompute) and prefix-cache hits."""
+    path = tiny_ckpt(arch)
+    prompts = make_prompts()
+    llm = LLM(path, **CPU, kv_cache_dtype="fp8", kvcache_block_size=16, num_kvcache_blocks=34, max_model_len=512,
+              max_num_batched_tokens=64)
+    ref_model = refs(path, kv=True)
+    ref = greedy(ref_model, prompts, MAX_NEW)
+    for rerun in (prompts, prompts[::3]):  # the second pass starts from cached prefixes
+        out = [o["token_ids"] for o in llm.generate(rerun, GREEDY, use_tqdm=False)]
+        assert_same_tokens(ref_model, rerun, [ref[prompts.index(p)] for p in rerun], out)
+    assert llm.engine.scheduler.num_preemptions > 0
+    llm.shutdown()
+
+
+def test_fp8_kv_cache_layout_and_sizing(tiny_ckpt, monkeypatch):
+    """The cache holds e4m3 values and float32 scales per (token, KV head); a block costs (D + 4) / (D * itemsize)
+    of a model-dtype block, so a fixed budget holds that many times more blocks."""
+    from nanovllm.engine import kv_cache
+    path = tiny_ckpt("qwen3")
+    monkeypatch.setattr(kv_cache, "CPU_KV_CACHE_BYTES", 4 << 20)
+    counts = {}
+    for kv in ("auto", "fp8"):
+        llm = LLM(path, **CPU, kv_cache_dtype=kv, kvcache_block_size=16)
+        runner = llm.engine.runner
+        counts[kv] = runner.num_kvcache_blocks
+        layers = runner.attn_layers
+        if kv == "fp8":
+            assert runner.kv_cache.dtype == torch.float8_e4m3fn
+            assert runner.kv_scales.shape == runner.kv_cache.shape[:-1] and runner.kv_scales.dtype == torch.float32
+            assert layers[1].k_scales.data_ptr() == runner.kv_scales[0, 1].data_ptr()
+        else:
+            assert runner.kv_scales is None and layers[0].k_scales is None
+        llm.shutdown()
+    D = layers[0].head_dim
+    assert counts["fp8"] == (4 << 20) // kv_cache.bytes_per_block(layers, 16, torch.float8_e4m3fn)
+    assert kv_cache.bytes_per_block(layers, 16, torch.float32) * (D + 4) == \
+        kv_cache.bytes_per_block(layers, 16, torch.float8_e4m3fn) * 4 * D
+    assert counts["fp8"] > 3 * counts["auto"]  # float32 model: 4 D bytes per value -> D + 4
+
+
+def test_fp8_kv_and_weights_under_triton_interpreter(tiny_ckpt):
+    """The Triton path on an e4m3 cache (fused q/k-norm + RoPE + store, varlen prefill and decode kernels, mixed
+    steps) gives the torch backend's tokens, with chunked prefill and prefix hits."""
+    path = tiny_ckpt("qwen3")
+    prompts = make_prompts([1, 20, 40], seed=2)   # (the interpreter runs each kernel program op by op: few tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    ref = _tokens(path, prompts, params, kv_cache_dtype="fp8")
+    llm = LLM(path, **CPU, kv_cache_dtype="fp8", attention_backend="triton", max_num_batched_tokens=32,
+              kvcache_block_size=16)
+    assert [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)] == ref
+    assert [o["token_ids"] for o in llm.generate(prompts[2:], params, use_tqdm=False)] == ref[2:]
+    llm.shutdown()
+
+
+# --- block-FP8 checkpoints ---------------------------------------------------------------------------------------
+
+def test_block_fp8_checkpoint_loads_and_generates(block_ckpt, refs):
+    from nanovllm.layers.quantization.fp8 import Fp8BlockLinearMethod
+    src, path = block_ckpt
+    prompts = make_prompts()
+    llm = LLM(path, **CPU, max_num_batched_tokens=128)
+    cfg = llm.engine.config.quantization
+    assert cfg.checkpoint and cfg.weight_block_size == (128, 128)
+    qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv.method, Fp8BlockLinearMethod) and qkv.weight.dtype == torch.float8_e4m3fn
+    # q, k and v (and their tile scales) landed side by side in the fused layer, as written
+    from safetensors.torch import load_file
+    ck = load_file(os.path.join(path, "model.safetensors"))
+    names = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+    assert torch.equal(qkv.weight.view(torch.uint8), torch.cat([ck[f"{n}.weight"] for n in names]).view(torch.uint8))
+    assert torch.equal(qkv.weight_scale_inv, torch.cat([ck[f"{n}.weight_scale_inv"] for n in names]))
+    out = [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    llm.shutdown()
+    ref_model = refs(src, (128, 128))
+    assert_same_tokens(ref_model, prompts, greedy(ref_model, prompts, MAX_NEW), out)
+    # asking for fp8 explicitly is the checkpoint's own; random weights in the checkpoint's format run too
+    assert _tokens(path, prompts[:4], quantization="fp8") == out[:4]
+    assert all(len(t) == MAX_NEW for t in _tokens(path, prompts[:2], load_format="dummy"))
+
+
+def test_block_fp8_modules_not_converted(block_ckpt, refs, tmp_path):
+    from nanovllm.layers.linear import UnquantizedLinearMethod
+    src, _ = block_ckpt
+    keep = ("model.layers.1.mlp.down_proj",)
+    path = write_block_fp8_checkpoint(src, str(tmp_path / "keep"), not_converted=keep)
+    llm = LLM(path, **CPU)
+    down = llm.engine.runner.model.model.layers[1].mlp.down_proj
+    assert isinstance(down.method, UnquantizedLinearMethod) and down.weight.dtype == torch.float32
+    prompts = make_prompts()[:8]
+    out = [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    llm.shutdown()
+    ref_model = refs(src, (128, 128), skip=keep)
+    assert_same_tokens(ref_model, prompts, greedy(ref_model, prompts, MAX_NEW), out)
+    # q kept but k and v quantized: they are one fused layer here
+    partial = write_block_fp8_checkpoint(src, str(tmp_path / "partial"),
+                                         not_converted=("model.layers.0.self_attn.q_proj",))
+    with pytest.raises(ValueError, match="quantizes some of .*q_proj.*but not all"):
+        LLM(partial, **CPU)
+    # a projection stored unquantized that the config does not list
+    unlisted = str(tmp_path / "unlisted")
+    shutil.copytree(path, unlisted)
+    with open(os.path.join(unlisted, "config.json")) as f:
+        cfg = json.load(f)
+    del cfg["quantization_config"]["modules_to_not_convert"]
+    with open(os.path.join(unlisted, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match="model.layers.1.mlp.down_proj.weight.*float8_e4m3fn, found torch.float32"):
+        LLM(unlisted, **CPU)
+
+
+def test_block_scales_shard_with_tensor_parallelism():
+    """Each rank's tile scales follow its rows (column-parallel, fused parts) or columns (row-parallel): the
+    ranks' outputs put together equal the unsharded layer's; a split that cuts tiles is refused."""
+    from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+    from nanovllm.layers.quantization import fp8_ref
+    from nanovllm.layers.quantization.fp8 import Fp8BlockLinearMethod
+    from tests.distributed.test_sharded_layers import LocalGroup
+    method = Fp8BlockLinearMethod((128, 128), use_kernels=False)
+    g = torch.Generator().manual_seed(0)
+
+    def quantized(*shape):
+        return fp8_ref.quantize_blocks(torch.randn(*shape, generator=g), (128, 128))
+
+    q, k, v = quantized(512, 128), quantized(256, 128), quantized(256, 128)
+    gate, up, down = quantized(256, 128), quantized(256, 128), quantized(128, 256)
+    x = torch.randn(3, 128, generator=g)
+
+    def build(tp, rank):
+        grp = LocalGroup(rank, tp)
+        layers = []
+        specs = ((QKVParallelLinear, (128, 128, 4, 2), ((q, "q"), (k, "k"), (v, "v"))),
+                 (MergedColumnParallelLinear, (128, [256, 256]), ((gate, 0), (up, 1))),
+                 (RowParallelLinear, (256, 128), ((down, None),)))
+        for cls, args, parts in specs:
+            layer = cls(*args, False, grp, method)
+            for (w, s), shard in parts:
+                layer.weight.weight_loader(layer.weight, w, shard)
+                layer.weight_scale_inv.weight_loader(layer.weight_scale_inv, s, shard)
+            layers.append(layer)
+        return layers
+
+    full = build(1, 0)
+    ranks = [build(2, r) for r in range(2)]
+    d = 128
+    per_rank = [r[0](x) for r in ranks]  # [q (2 heads) | k (1 head) | v (1 head)] per rank
+    ref = full[0](x)
+    for name, lo, n in (("q", 0, 256), ("k", 512, 128), ("v", 768, 128)):
+        off = {"q": 0, "k": 256, "v": 384}[name]
+        torch.testing.assert_close(torch.cat([o[:, off:off + n] for o in per_rank], 1), ref[:, lo:lo + 2 * n])
+    torch.testing.assert_close(torch.cat([r[1](x) for r in ranks], 1)[:, [*range(128), *range(256, 384),
+                                                                        *range(128, 256), *range(384, 512)]],
+                               full[1](x))
+    h = torch.randn(3, 256, generator=g)
+    torch.testing.assert_close(sum(r[2](h[:, i * d:(i + 1) * d]) for i, r in enumerate(ranks)), full[2](h),
+                               atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="do not fall on whole 128-wide weight blocks"):
+        build(4, 1)   # gate/up: 64 rows per rank
+    with pytest.raises(ValueError, match="64 input features per rank are not a multiple of .* 128"):
+        RowParallelLinear(256, 128, False, LocalGroup(0, 4), method)
+
+
+def test_fp8_tensor_parallel(tiny_ckpt, block_ckpt, refs):
+    """TP=2 over gloo, with the e4m3 KV cache: online FP8 equals transformers quantizing the same way (each rank of
+    a row-parallel layer quantizes its own slice of the input features, weights and activations); the block-FP8
+    checkpoint too (its tiles and activation groups follow the ranks: the same numerics as TP=1)."""
+    engine = dict(**CPU, max_model_len=256, kvcache_block_size=16, num_kvcache_blocks=48, max_num_seqs=8)
+    prompts = make_prompts([1, 5, 17, 40], high=480)
+    path = tiny_ckpt("qwen3")
+    llm = LLM(path, tensor_parallel_size=2, quantization="fp8", kv_cache_dtype="fp8", **engine)
+    out = [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    llm.shutdown()
+    ref_model = refs(path, "rows", kv=True, tp=2)
+    assert_same_tokens(ref_model, prompts, greedy(ref_model, prompts, MAX_NEW), out)
+    src, block = block_ckpt
+    llm = LLM(block, tensor_parallel_size=2, kv_cache_dtype="fp8", **engine)
+    out = [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    llm.shutdown()
+    ref_model = refs(src, (128, 128), kv=True)
+    assert_same_tokens(ref_model, prompts, greedy(ref_model, prompts, MAX_NEW), out)
