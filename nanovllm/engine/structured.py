@@ -92,6 +92,10 @@ class StructuredOutputs:
     def matcher(self, compiled):
         return self.xgr.GrammarMatcher(compiled)
 
+    def accept(self, matchers: list, tokens: list[int]) -> list[bool]:
+        """Advance each matcher by its token (threads in xgrammar); False where the token breaks the grammar."""
+        return self._batch.batch_accept_token(matchers, tokens)
+
     def fill(self, matchers: list) -> torch.Tensor:
         """(len(matchers), ceil(V / 32)) int32 bitmask of the next token of each matcher (threads in xgrammar)."""
         mask = self.xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
