@@ -67,3 +67,16 @@ def sm_count(device: torch.device) -> int:
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _SM_COUNT[idx]
+
+
+_CAPABILITY: dict = {}
+
+
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) compute capability of a CUDA device (host query, cached); (0, 0) elsewhere."""
+    if device.type != "cuda":
+        return (0, 0)
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _CAPABILITY:
+        _CAPABILITY[idx] = tuple(torch.cuda.get_device_capability(idx))
+    return _CAPABILITY[idx]
