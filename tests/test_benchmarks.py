@@ -5,6 +5,9 @@ import os
 import sys
 import time
 
+import pytest
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.append(os.path.join(ROOT, "benchmarks"))  # (after the installed packages: no shadowing)
 
@@ -61,3 +64,29 @@ def test_train_tiny_checkpoint_loads(tmp_path):
     prompts = train_tiny.copy_prompts(2, seed=0, max_len=40)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     assert [len(o["token_ids"]) for o in outs] == [4, 4]
+
+
+def test_kernel_bench_attention_layouts():
+    """kernel_bench's attention cases: the paged cache it builds for ours holds the dense tensors SDPA gets (the
+    kernel, under the CPU interpreter, matches SDPA on equal fresh prompts and the reference on a chunk over a
+    prefix), and its FLOP count is the causal triangle's."""
+    import kernel_bench
+    import torch.nn.functional as F
+
+    from nanovllm.attention.torch_ref import paged_attention_ref
+    from nanovllm.kernels.prefill_config import TileConfig
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = TileConfig(32, 32, 4, 2, tma=True)
+    case = kernel_bench.AttentionCase("2 x 40", [(40, 0)] * 2, 4, 2, 16, device=dev, dtype=torch.float32)
+    assert case.dense and case.bucket == "short" and case.flops == 2 * 4 * 4 * 16 * 40 * 40 / 2
+    q, k, v = (t.transpose(1, 2) for t in (case.q, case.k, case.v))
+    ref = case.reference_rows(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=case.scale,
+                                                                      enable_gqa=True))
+    torch.testing.assert_close(case.ours(cfg)().clone(), ref, atol=1e-5, rtol=1e-5)
+    chunk = kernel_bench.AttentionCase("chunk", [(24, 300), (40, 0)], 4, 2, 16, device=dev, dtype=torch.float32)
+    assert not chunk.dense and chunk.flops == 4 * 4 * 16 * (24 * 300 + 24 * 24 / 2 + 40 * 40 / 2)
+    want = paged_attention_ref(chunk.q_flat, chunk.k_cache, chunk.v_cache, chunk.cu, chunk.seq_lens, chunk.bt,
+                               chunk.scale, chunk.max_q)
+    torch.testing.assert_close(chunk.ours(cfg)().clone(), want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(SystemExit, match="usage"):
+        kernel_bench.main(["nope"])

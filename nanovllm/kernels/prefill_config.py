@@ -75,20 +75,38 @@ class TileConfig:
 _DEFAULT = TileConfig(16, 16, 4, 1)
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
-# Hopper guesses until the sweep's winners replace them (kernel_bench.py attention --sweep prints these lines).
-# 128 x 128 tiles, 8 warps (two warpgroups of 64 rows, wgmma), 3 stages of TMA loads; short prompts: 64-row tiles
-# (twice the programs: fuller waves at 1k tokens).
-_LONG_128 = TileConfig(128, 128, 8, 3, tma=True)
-_SHORT_128 = TileConfig(64, 128, 4, 3, tma=True)
-_LONG_64 = TileConfig(128, 128, 8, 3, tma=True)
-_SHORT_64 = TileConfig(64, 128, 4, 3, tma=True)
+# (head_dim, G_PAD, bucket, dtype) -> config. Hopper guesses until the sweep's winners replace them (kernel_bench.py
+# attention --sweep prints these lines): long prompts 128 x 128 tiles, 8 warps (two warpgroups of 64 rows, wgmma),
+# TMA loads; short ones 64 x 64 tiles of one warpgroup (two programs fit an SM: twice the programs, fuller waves
+# at 1k tokens). fp16 runs at bf16's rates and takes its tiles. A G_PAD missing here takes the nearest one's.
 TABLE: dict[tuple[int, int, str, str], TileConfig] = {
-    (d, g, bucket, dt): cfg
-    for dt in ("bf16", "fp16")
-    for g in (1, 2, 4, 8)
-    for d, bucket, cfg in ((128, "long", _LONG_128), (128, "short", _SHORT_128),
-                           (64, "long", _LONG_64), (64, "short", _SHORT_64))
+    (128, 2, "long", "bf16"): TileConfig(128, 128, 8, 3, tma=True),
+    (128, 2, "short", "bf16"): TileConfig(64, 64, 4, 3, tma=True),
+    (128, 4, "long", "bf16"): TileConfig(128, 128, 8, 3, tma=True),
+    (128, 4, "short", "bf16"): TileConfig(64, 64, 4, 3, tma=True),
+    (64, 4, "long", "bf16"): TileConfig(128, 128, 8, 3, tma=True),
+    (64, 4, "short", "bf16"): TileConfig(64, 64, 4, 3, tma=True),
 }
+TABLE.update({(d, g, b, "fp16"): cfg for (d, g, b, dt), cfg in list(TABLE.items()) if dt == "bf16"})
+
+
+# The candidates `kernel_bench.py attention --sweep` times on every shape (each is one compile per head_dim and
+# GQA group): the previous kernel's tiles, wider KV tiles, pointer vs TMA loads, pipeline depths, 64-row tiles
+# (more programs for short prompts), one head per program, and the three launch orders. (warp_specialize is
+# left out: with Triton 3.6 on sm_90 it compiles to the same kernel, or trips an assertion in the compiler.)
+SWEEP: tuple[TileConfig, ...] = (
+    TileConfig(128, 64, 8, 2, order="natural"),
+    TileConfig(128, 64, 8, 2),
+    TileConfig(128, 128, 8, 2),
+    TileConfig(128, 64, 8, 3, tma=True),
+    TileConfig(128, 128, 8, 2, tma=True),
+    TileConfig(128, 128, 8, 3, tma=True),
+    TileConfig(128, 128, 8, 3, tma=True, order="natural"),
+    TileConfig(128, 128, 8, 3, tma=True, order="sorted"),
+    TileConfig(128, 128, 8, 3, tma=True, pack_gqa=False),
+    TileConfig(64, 64, 4, 3, tma=True),
+    TileConfig(64, 128, 4, 2, tma=True),
+)
 
 
 def bucket(max_seqlen_q: int, g_pad: int) -> str:
@@ -115,10 +133,16 @@ def _heuristic(head_dim: int, g_pad: int, bucket_name: str, dtype: torch.dtype) 
 
 
 def tile_config(head_dim: int, g_pad: int, max_seqlen_q: int, dtype: torch.dtype) -> TileConfig:
-    """The config of a call: the table's entry for its key, else the heuristic; block_m is at least g_pad (a
-    program holds at least one query of every packed head)."""
+    """The config of a call: the table's entry for its key (for a G_PAD it lacks, the nearest G_PAD's entry of
+    the same head_dim, bucket and dtype), else the heuristic; block_m is at least g_pad (a program holds at least
+    one query of every packed head)."""
     b = bucket(max_seqlen_q, g_pad)
-    cfg = TABLE.get((head_dim, g_pad, b, _DTYPE_NAMES.get(dtype, "")))
+    dt = _DTYPE_NAMES.get(dtype, "")
+    near = [g for d, g, bk, t in TABLE if (d, bk, t) == (head_dim, b, dt)]
+    cfg = None
+    if near:
+        g = min(near, key=lambda g: (abs(g.bit_length() - g_pad.bit_length()), g))
+        cfg = TABLE[(head_dim, g, b, dt)]
     if cfg is None:
         cfg = _heuristic(head_dim, g_pad, b, dtype)
     if cfg.pack_gqa and cfg.block_m < g_pad:

@@ -471,10 +471,13 @@ def test_tile_config_choice():
     from nanovllm.kernels.prefill_config import TABLE, bucket, tile_config
     assert bucket(1, 8) == "decode" and bucket(8, 4) == "decode" and bucket(9, 4) == "short"
     assert bucket(1024, 1) == "short" and bucket(1025, 1) == "long"
-    for key in [(128, 4, "long", "bf16"), (64, 2, "short", "fp16")]:
+    for key in [(128, 4, "long", "bf16"), (64, 4, "short", "fp16")]:
         D, g, b, dt = key
         lens = {"short": 512, "long": 8192}[b]
         assert tile_config(D, g, lens, {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]) == TABLE[key]
+    # a GQA group the table lacks takes the nearest one's entry
+    assert tile_config(128, 8, 8192, torch.bfloat16) == TABLE[(128, 4, "long", "bf16")]
+    assert tile_config(128, 1, 8192, torch.bfloat16) == TABLE[(128, 2, "long", "bf16")]
     dec = tile_config(128, 8, 1, torch.bfloat16)             # not in the table: the heuristic's short tiles
     assert dec.block_m == 32 and not dec.tma
     assert tile_config(16, 1, 4096, torch.float32) == TileConfig(64, 32, 4, 2)  # float32: small exact tiles
