@@ -90,3 +90,23 @@ def test_kernel_bench_attention_layouts():
     torch.testing.assert_close(chunk.ours(cfg)().clone(), want, atol=1e-5, rtol=1e-5)
     with pytest.raises(SystemExit, match="usage"):
         kernel_bench.main(["nope"])
+
+
+def test_prefill_heavy_workload_and_mode(tiny_ckpt, capsys):
+    """The prefill-heavy workload: seeded, 64 prompts of 6,000-8,000 tokens with 64-256 outputs, and
+    bench_offline's mode for it (its own max_model_len, prompt/output/total tok/s; the reference workload's length
+    flags rejected). One request on the CPU."""
+    import workload
+    prompts, max_tokens = workload.prefill_heavy_workload()
+    assert len(prompts) == 64 and (prompts, max_tokens) == workload.prefill_heavy_workload()
+    assert all(6000 <= len(p) <= 8000 for p in prompts) and all(64 <= m <= 256 for m in max_tokens)
+    assert workload.PREFILL_HEAVY_MAX_MODEL_LEN >= max(map(len, prompts)) + max(max_tokens)
+    assert workload.offline_workload()[0][:3] == workload.offline_workload()[0][:3]  # the reference is unchanged
+    path = tiny_ckpt("qwen3", vocab_size=10240, max_position_embeddings=9000)
+    with pytest.raises(SystemExit):
+        bench_offline.main(["--model", path, "--workload", "prefill-heavy", "--max-input-len", "100"])
+    res = bench_offline.main(["--model", path, "--workload", "prefill-heavy", "--num-seqs", "1", "--device", "cpu"])
+    assert res["workload"] == "prefill-heavy" and res["engine_args"]["max_model_len"] == 8256
+    assert 6000 <= res["prompt_tokens"] <= 8000 and 64 <= res["output_tokens"] <= 256
+    assert res["prompt_tok_s"] > 0 and res["total_tok_s"] > res["output_tok_s"]
+    assert "prompt," in capsys.readouterr().out
