@@ -5,7 +5,10 @@ lost vectorisation would go unnoticed there. This script runs Triton's full pipe
 cubin, ptxas included) ahead of time and prints ``REG`` (registers/thread), ``STACK`` (bytes of spill stack;
 should be 0 for the half-precision configs) and shared memory per configuration.
 
-Not collected by pytest (it needs TRITON_INTERPRET unset and takes ~1 min). Run from the repo root:
+Not collected by pytest (it needs TRITON_INTERPRET unset and takes ~2 min); the varlen kernel is compiled for its
+table's choices and, in half precision, for every config of its table and sweep (prefill_config). With Triton 3.6
+(the H200's) installed beside the venv's: ``pip install --target /tmp/t36 --no-deps triton==3.6.0`` and
+``PYTHONPATH=/tmp/t36:$PWD``. Run from the repo root:
 
     env -u TRITON_INTERPRET python tests/kernels/sm90_compile_check.py [bf16 fp16 fp32]
 
@@ -34,6 +37,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from nanovllm.kernels import activation, ar_norm, fused_qkv, kvcache, norm, rotary  # noqa: E402
 from nanovllm.kernels import decode_attention as decode  # noqa: E402
 from nanovllm.kernels import prefill_attention as prefill  # noqa: E402
+from nanovllm.kernels.prefill_config import ORDERS, SWEEP, TABLE  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -58,10 +62,41 @@ def build(fn, types: dict, consts: dict, **options) -> None:
              if sig[n] != "constexpr" and (sig[n].startswith("*") or n.startswith("stride") or n in ("N", "inter"))}
     t0 = time.time()
     k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=TARGET, options=options)
-    shown = {a: b for a, b in consts.items() if a in ("G", "BLOCK_M", "BLOCK_N", "HEAD_DIM", "BLOCK_SIZE",
+    shown = {a: b for a, b in consts.items() if a in ("G", "HEAD_DIM", "BLOCK_SIZE",
                                                       "SPLIT", "BLOCK", "H", "HKV", "HAS_NORM")}
     print(f"  {fn.__name__:24s} {shown} warps={options.get('num_warps')} smem={k.metadata.shared} "
           f"{_resources(k.asm['cubin'])} ({time.time() - t0:.1f}s)")
+
+
+def prefill_variant(cfg, D: int, G: int, bs: int, dt: str, prec, persistent: bool = False) -> None:
+    """Compile the varlen kernel for one TileConfig (TMA descriptors where the config and block size allow)."""
+    g_pad = triton.next_power_of_2(G)
+    hpp = g_pad if cfg.pack_gqa else 1
+    tma = cfg.tma and bs % cfg.block_n == 0
+    types = {**{n: f"*{dt}" for n in ("Q", "K", "V", "Out")}, "CU": "*i32", "SEQ_LENS": "*i32", "BT": "*i32",
+             "qk_scale": "fp32"}
+    consts = dict(G=G, HPP=hpp, SLOTS_PER_KV=-(-G // hpp), BLOCK_Q=cfg.block_m // hpp, BLOCK_M=cfg.block_m,
+                  BLOCK_N=cfg.block_n, HEAD_DIM=D, BLOCK_SIZE=bs, BLOCK_B=64, PERSISTENT=persistent,
+                  ORDER=ORDERS.index(cfg.order), STAGES=cfg.num_stages, WS=cfg.warp_specialize and tma, PREC=prec,
+                  UPCAST=False, USE_TMA=tma)
+    if tma:
+        types["KD"] = types["VD"] = f"tensordesc<{dt}[{cfg.block_n}, {D}]>"
+    else:
+        consts["KD"] = consts["VD"] = None
+    print(f"    {cfg.name}{' persistent' if persistent else ''}")
+    build(prefill._prefill_kernel, types, consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def check_prefill_configs(dt: str) -> None:
+    """Every config of the varlen kernel's table and sweep at the engine's block size, for head_dim 128 (GQA 4 and
+    2) and 64, and the short-prompt config on the persistent grid (mixed-step graphs)."""
+    from nanovllm.kernels._common import dot_precision
+    prec = dot_precision(DTYPES[dt])
+    print(f"== varlen prefill configs, {dt}")
+    for D, G in [(128, 4), (128, 2), (64, 4)]:
+        for cfg in sorted({*TABLE.values(), *SWEEP}, key=lambda c: c.name):
+            prefill_variant(cfg, D, G, 256, dt, prec)
+        prefill_variant(prefill.tile_config(D, G, 512, DTYPES[dt]), D, G, 256, dt, prec, persistent=True)
 
 
 def check(dt: str) -> None:
@@ -69,16 +104,12 @@ def check(dt: str) -> None:
     from nanovllm.kernels._common import dot_precision
     prec = dot_precision(dtype)
     print(f"== {dt} (triton {triton.__version__})")
-    # (head_dim, GQA group, block_size, max_seqlen_q)
+    # (head_dim, GQA group, block_size, max_seqlen_q): the varlen kernel's table choice for each
     for D, G, bs, mq in [(128, 4, 16, 512), (128, 8, 256, 1), (64, 1, 16, 2048), (128, 7, 32, 4),
                          (256, 2, 16, 512)]:
         g_pad = triton.next_power_of_2(G)
-        bm, bn, warps, stages = prefill._prefill_config(D, g_pad, mq, dtype)
+        prefill_variant(prefill.tile_config(D, g_pad, mq, dtype), D, G, bs, dt, prec)
         ptrs = {n: f"*{dt}" for n in ("Q", "K", "V", "Out")}
-        build(prefill._prefill_kernel, {**ptrs, "CU": "*i32", "SEQ_LENS": "*i32", "BT": "*i32",
-                                          "qk_scale": "fp32"},
-              dict(G=G, G_PAD=g_pad, BLOCK_Q=bm // g_pad, BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=D, BLOCK_SIZE=bs,
-                   BLOCK_B=64, PREC=prec, UPCAST=False), num_warps=warps, num_stages=stages)
         for splits in (1, 8):
             build(decode._decode_kernel, {**ptrs, "PART_O": "*fp32", "PART_LSE": "*fp32", "SEQ_LENS": "*i32",
                                              "ORDER": "*i32", "BT": "*i32", "qk_scale": "fp32"},
@@ -116,4 +147,6 @@ def check(dt: str) -> None:
 if __name__ == "__main__":
     for name in sys.argv[1:] or ["bf16"]:
         check(name)
+        if name != "fp32":
+            check_prefill_configs(name)
     print("all kernels compiled for sm_90")
