@@ -28,7 +28,9 @@ class TileConfig:
     num_warps / num_stages: Triton launch options (num_stages pipelines the unmasked KV loop's loads).
     tma: K/V tiles through host-side tensor descriptors (TMA on sm_90+) over the flattened cache; used when the
         cache allows it (``block_size % block_n == 0``, dense 16-byte aligned rows), else plain pointer loads.
-    warp_specialize: Triton's automatic warp specialization of the unmasked KV loop (producer/consumer warps).
+    warp_specialize: Triton's automatic warp specialization of the unmasked KV loop (producer/consumer warps);
+        with Triton 3.6 on sm_90 it compiles to the same kernel (or trips a compiler assertion): kept for newer
+        Tritons, left out of the table and the sweep.
     pack_gqa: a program stacks the query heads that share its KV head along M (each K/V tile loaded once for
         all of them); False: one query head per program (the others read the same tile from L2).
     order: the launch order of the query tiles. "natural": sequence by sequence, first tile first; "reverse":
