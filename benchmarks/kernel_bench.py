@@ -1,6 +1,26 @@
-"""Kernel micro-benchmarks on a GPU, one subcommand per kernel family.
+"""Kernel micro-benchmarks on one CUDA GPU, one subcommand per kernel family:
 
-    python benchmarks/kernel_bench.py moe [--tp 1] [--tokens 1 8 256 ...] [--layers 4] [--json moe.json]
+    python3 benchmarks/kernel_bench.py attention            # the varlen prefill kernel beside torch SDPA (and FA3)
+    python3 benchmarks/kernel_bench.py attention --sweep    # + every candidate tile config, the best per shape
+    python3 benchmarks/kernel_bench.py attention --kv-cache-dtype fp8 [--sweep]   # ours over an e4m3 KV cache
+    python3 benchmarks/kernel_bench.py moe [--tp 1] [--tokens 1 8 256 ...] [--layers 4] [--json moe.json]
+
+attention: causal bf16 prefill attention, head_dim 128, 32 query / 8 KV heads (Qwen3-8B, Llama-3-8B) and 16 / 8
+(Qwen3-0.6B), at 1,024 / 4,096 / 8,192 / 16,384 tokens and 8 x 8,192; in TFLOP/s with FLOPs = 2 * 2 * H * D *
+sum(L^2) / 2 (QK^T and PV over the causal triangle; a chunk of q queries over c cached keys counts q*c + q^2/2).
+Ours reads K/V from the engine's paged cache (blocks of 256 tokens, in random order); torch SDPA's cuDNN and flash
+backends get dense (B, H, L, D) tensors with enable_gqa (or K/V expanded to every query head, outside the timing,
+where a backend refuses it); FlashAttention-3 where `flash_attn_interface` imports. A last shape, a prefill-heavy
+step's 2,048-token chunk over a 6,144-token prefix beside a fresh 6,144-token prompt, is ours only. --sweep adds
+head_dim 64 at 1k and 8k tokens and times every config of `prefill_config.SWEEP` on every shape, then prints the
+best per shape and, per (head_dim, G, bucket), the config with the best geometric mean over the bucket's shapes as
+`prefill_config.TABLE` entries to paste. Times are `triton.testing.do_bench` medians; do_bench zeroes a 256 MB
+buffer before every call, so each call starts with a cold L2 (the inputs are not reused from cache). Each config
+is checked against cuDNN's output on its first shape (relative error < 2e-2; a config over it is marked WRONG and
+never wins). Takes about 3-4 minutes on an H200, most of it compiling (one compile per config, head_dim and G).
+--kv-cache-dtype fp8: our cache holds e4m3 K/V with per-(token, head) scales (as the engine's with
+kv_cache_dtype="fp8"); SDPA and FA3 get the dequantized values in bf16, so the check still compares like with like
+(the table has no FP8 key: its printed entries say what the bf16 ones would be if measured on an e4m3 cache).
 
 moe: the fused mixture-of-experts layer (``nanovllm.kernels.moe``) at Qwen3-30B-A3B's shapes (hidden 2048, 128
 experts, top-8, expert width 768 / tp) in bf16, random weights (N(0, 0.02), the router too). For each token count
@@ -18,6 +38,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import sys
 import time
@@ -34,7 +55,221 @@ from nanovllm.kernels.moe_configs import GemmTile, MoEConfig, moe_config  # noqa
 from nanovllm.kernels.moe_routing import moe_align, moe_route  # noqa: E402
 from nanovllm.layers.moe_ref import fused_moe_ref  # noqa: E402
 
-TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 1024, 2048, 4096, 8192)
+BLOCK = 256  # the engine's KV block size
+
+
+def _sdpa_backends():
+    from torch.nn.attention import SDPBackend
+    return {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
+
+
+def _fa3():
+    try:
+        import flash_attn_interface  # FlashAttention-3 (hopper/ build)
+    except ImportError:
+        return None
+    return flash_attn_interface.flash_attn_func
+
+
+class AttentionCase:
+    """One shape: sequences of (q_len, ctx) with random q/k/v, dense for SDPA and in a paged cache for ours."""
+
+    def __init__(self, label: str, seqs: list[tuple[int, int]], H: int, Hkv: int, D: int, seed: int = 0,
+                 device: str = "cuda", dtype: torch.dtype = torch.bfloat16, kv_fp8: bool = False):
+        from nanovllm.attention.torch_ref import quantize_kv_ref
+        from nanovllm.kernels.prefill_config import bucket
+        self.label, self.seqs, self.H, self.Hkv, self.D = label, seqs, H, Hkv, D
+        g = torch.Generator(device=device).manual_seed(seed)
+        dev, dt = device, dtype
+        lens = [q + c for q, c in seqs]
+        self.max_q = max(q for q, _ in seqs)
+        self.bucket = bucket(self.max_q, 1 << (H // Hkv - 1).bit_length())
+        self.flops = sum(4 * H * D * (q * c + q * q / 2) for q, c in seqs)
+        self.dense = len(set(seqs)) == 1 and seqs[0][1] == 0    # equal fresh prompts: SDPA / FA3 comparable
+        B, L = len(seqs), max(lens)
+        # dense (B, L, H|Hkv, D) copies; the paged cache holds the same keys and values
+        self.q = torch.randn(B, L, H, D, device=dev, generator=g, dtype=dt)
+        self.k = torch.randn(B, L, Hkv, D, device=dev, generator=g, dtype=dt)
+        self.v = torch.randn(B, L, Hkv, D, device=dev, generator=g, dtype=dt)
+        stored = [(self.k, None), (self.v, None)]      # what our paged cache holds: values, scales
+        if kv_fp8:  # e4m3 with scales per (token, head) in our cache; SDPA / FA3 get their dequantized values
+            stored = [(x.view(B, L, Hkv, D), s.view(B, L, Hkv))
+                      for x, s in (quantize_kv_ref(t.reshape(-1, Hkv, D)) for t in (self.k, self.v))]
+            self.k, self.v = ((x.float() * s[..., None]).to(dt) for x, s in stored)
+        nblk = [-(-n // BLOCK) for n in lens]
+        perm = torch.randperm(sum(nblk) + 1, device=dev, generator=g)
+        self.k_cache = torch.zeros(sum(nblk) + 1, BLOCK, Hkv, D, device=dev, dtype=stored[0][0].dtype)
+        self.v_cache = torch.zeros_like(self.k_cache)
+        self.scales = [torch.ones(self.k_cache.shape[:3], device=dev) for _ in stored] if kv_fp8 else None
+        self.bt = torch.full((B, max(nblk)), -1, dtype=torch.int32, device=dev)
+        i = 0
+        for b, n in enumerate(lens):
+            blocks = perm[i:i + nblk[b]]
+            i += nblk[b]
+            self.bt[b, :nblk[b]] = blocks.int()
+            slots = (blocks[:, None] * BLOCK + torch.arange(BLOCK, device=dev)).flatten()[:n]
+            for j, (x, s) in enumerate(stored):
+                (self.k_cache, self.v_cache)[j].view(-1, Hkv, D)[slots] = x[b, :n]
+                if s is not None:
+                    self.scales[j].view(-1, Hkv)[slots] = s[b, :n]
+        self.q_flat = torch.cat([self.q[b, c:c + q] for b, (q, c) in enumerate(seqs)])
+        self.cu = torch.tensor([0, *torch.tensor([q for q, _ in seqs]).cumsum(0).tolist()], dtype=torch.int32,
+                               device=dev)
+        self.seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+        self.out = torch.empty_like(self.q_flat)
+        self.scale = D ** -0.5
+
+    def ours(self, config=None):
+        from nanovllm.kernels.prefill_attention import paged_prefill_attention
+        ks, vs = self.scales or (None, None)
+        return lambda: paged_prefill_attention(self.q_flat, self.k_cache, self.v_cache, self.cu, self.seq_lens,
+                                               self.bt, self.scale, self.max_q, out=self.out, config=config,
+                                               k_scales=ks, v_scales=vs)
+
+    def sdpa(self, backend):
+        """SDPA on (B, H, L, D) under one backend, enable_gqa, else K/V expanded (outside the timing)."""
+        import torch.nn.functional as F
+        from torch.nn.attention import sdpa_kernel
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (self.q, self.k, self.v))
+        G = self.H // self.Hkv
+
+        def gqa():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=G > 1)
+        try:
+            gqa()
+            return gqa
+        except RuntimeError:
+            ke, ve = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+
+            def expanded():
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(q, ke, ve, is_causal=True, scale=self.scale)
+            expanded()
+            return expanded
+
+    def fa3(self, flash_attn_func):
+        return lambda: flash_attn_func(self.q, self.k, self.v, causal=True, softmax_scale=self.scale)
+
+    def reference_rows(self, fn) -> torch.Tensor:
+        """An SDPA fn's output as our flat (T, H, D) rows."""
+        o = fn().transpose(1, 2)                                              # (B, L, H, D)
+        return torch.cat([o[b, c:c + q] for b, (q, c) in enumerate(self.seqs)])
+
+
+def _time(fn) -> float:
+    import triton
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def _cases(sweep: bool, kv_fp8: bool = False) -> list[AttentionCase]:
+    shapes = [("1,024", [(1024, 0)]), ("4,096", [(4096, 0)]), ("8,192", [(8192, 0)]), ("16,384", [(16384, 0)]),
+              ("8 x 8,192", [(8192, 0)] * 8), ("chunk+prompt", [(2048, 6144), (6144, 0)])]
+    heads = [(32, 8, 128), (16, 8, 128)]
+    cases = [AttentionCase(label, seqs, H, Hkv, D, kv_fp8=kv_fp8) for H, Hkv, D in heads for label, seqs in shapes]
+    if sweep:
+        cases += [AttentionCase(label, seqs, 32, 8, 64, kv_fp8=kv_fp8) for label, seqs in shapes[:1] + shapes[2:3]]
+    return cases
+
+
+def _tflops(case: AttentionCase, ms: float) -> float:
+    return case.flops / (ms * 1e-3) / 1e12
+
+
+def attention(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="kernel_bench.py attention", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sweep", action="store_true", help="time every candidate config of prefill_config.SWEEP")
+    ap.add_argument("--configs", default="", help="with --sweep: comma-separated config names to keep (default all)")
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                    help="fp8: our paged cache in e4m3 with per-(token, head) scales (default: bf16)")
+    ns = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("kernel_bench.py attention needs a CUDA GPU")
+    from nanovllm.kernels.prefill_config import SWEEP, tile_config
+    t_start = time.perf_counter()
+    fa3 = _fa3()
+    cases = _cases(ns.sweep, ns.kv_cache_dtype == "fp8")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, FlashAttention-3: "
+          f"{'yes' if fa3 else 'not importable'}; TFLOP/s, causal, bf16"
+          + (" (ours over an e4m3 KV cache; the others over its dequantized values)"
+             if ns.kv_cache_dtype == "fp8" else ""))
+    rows = []
+    for case in cases:
+        row = {"ours": _tflops(case, _time(case.ours()))}
+        if case.dense:
+            for name, backend in _sdpa_backends().items():
+                try:
+                    row[name] = _tflops(case, _time(case.sdpa(backend)))
+                except RuntimeError as e:  # a backend that refuses the shape
+                    row[name] = f"n/a ({str(e).splitlines()[0][:40]})"
+            if fa3 is not None:
+                row["fa3"] = _tflops(case, _time(case.fa3(fa3)))
+        rows.append(row)
+    for (H, Hkv, D) in sorted({(c.H, c.Hkv, c.D) for c in cases}, reverse=True):
+        print(f"\n{H} query / {Hkv} KV heads, head_dim {D} (ours: "
+              f"{tile_config(D, 1 << (H // Hkv - 1).bit_length(), 8192, torch.bfloat16).name} for long prompts)")
+        print(f"| {'tokens':12s} | ours (paged varlen) | FlashAttention-3 | torch SDPA, cuDNN | torch SDPA, flash |")
+        print("|---|---|---|---|---|")
+        for case, row in zip(cases, rows):
+            if (case.H, case.Hkv, case.D) == (H, Hkv, D):
+                cells = [row.get(k, "-") for k in ("ours", "fa3", "cudnn", "flash")]
+                print(f"| {case.label:12s} | " + " | ".join(f"{c:.0f}" if isinstance(c, float) else c
+                                                           for c in cells) + " |")
+    print(f"\n({time.perf_counter() - t_start:.0f} s so far)")
+    if ns.sweep:
+        keep = {n for n in ns.configs.split(",") if n}
+        configs = [c for c in SWEEP if not keep or c.name in keep]
+        _sweep(cases, configs)
+    print(f"total {time.perf_counter() - t_start:.0f} s")
+
+
+def _sweep(cases: list[AttentionCase], configs) -> None:
+    """Time every config on every case; print the best per case and the table entries per (D, G, bucket)."""
+    results: dict[tuple[int, str], float] = {}      # (case index, config name) -> TFLOP/s (0: wrong or failed)
+    checked: set[tuple[int, int, str]] = set()
+    for cfg in configs:
+        t0 = time.perf_counter()
+        for i, case in enumerate(cases):
+            key = (case.D, case.H // case.Hkv, cfg.name)
+            try:
+                fn = case.ours(cfg)
+                if key not in checked and case.dense:
+                    checked.add(key)
+                    ref = case.reference_rows(case.sdpa(_sdpa_backends()["cudnn"])).float()
+                    err = ((fn().float() - ref).norm() / ref.norm()).item()
+                    if not err < 2e-2:
+                        print(f"  {cfg.name}: WRONG on {case.label} (relative error {err:.2e})")
+                        results[(i, cfg.name)] = 0.0
+                        continue
+                results[(i, cfg.name)] = _tflops(case, _time(fn))
+            except Exception as e:  # a config that fails to compile or launch loses, the sweep goes on
+                print(f"  {cfg.name}: failed on {case.label}: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
+                results[(i, cfg.name)] = 0.0
+        print(f"  {cfg.name:36s} {time.perf_counter() - t0:5.1f} s")
+    print("\nbest config per shape (TFLOP/s; the next two after it)")
+    for i, case in enumerate(cases):
+        ranked = sorted(((results.get((i, c.name), 0.0), c.name) for c in configs), reverse=True)
+        head = f"{case.H}/{case.Hkv} D{case.D} {case.label}"
+        print(f"  {head:28s} " + ", ".join(f"{n} {t:.0f}" for t, n in ranked[:3]))
+    print("\nprefill_config.TABLE entries (best geometric mean over each bucket's shapes, relative to each shape's "
+          "best):")
+    groups: dict[tuple[int, int, str], list[int]] = {}
+    for i, case in enumerate(cases):
+        g_pad = 1 << (case.H // case.Hkv - 1).bit_length()
+        groups.setdefault((case.D, g_pad, case.bucket), []).append(i)
+    best_of = {i: max(max(results.get((i, c.name), 0.0) for c in configs), 1e-9) for i in range(len(cases))}
+
+    def score(cfg, idx):
+        rel = [results.get((i, cfg.name), 0.0) / best_of[i] for i in idx]
+        return math.exp(sum(math.log(max(r, 1e-6)) for r in rel) / len(rel))
+    for (D, g_pad, bucket), idx in sorted(groups.items(), reverse=True):
+        best = max(configs, key=lambda c: score(c, idx))
+        print(f"    ({D}, {g_pad}, {bucket!r}, \"bf16\"): {best.code()},  # {score(best, idx):.3f} of the per-shape "
+              f"best")
+
+
+TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 1024, 2048, 4096, 8192)  # moe: the default token counts
 
 
 def block_ms(tokens: int) -> tuple[int, ...]:
@@ -158,27 +393,38 @@ def print_table(table: list[tuple[int, MoEConfig]], key: tuple[int, int, int], t
     print("    ),")
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    m = sub.add_parser("moe", help="the fused MoE layer over candidate tile configs")
-    m.add_argument("--tp", type=int, default=1, help="the expert width per rank is 768 / tp")
-    m.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
-    m.add_argument("--layers", type=int, default=4, help="weight copies cycled through (to miss L2)")
-    m.add_argument("--experts", type=int, default=128)
-    m.add_argument("--hidden", type=int, default=2048)
-    m.add_argument("--inter", type=int, default=768)
-    m.add_argument("--top-k", type=int, default=8)
-    m.add_argument("--json", default=None, help="write the rows here")
+def moe(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="kernel_bench.py moe", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tp", type=int, default=1, help="the expert width per rank is 768 / tp")
+    ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    ap.add_argument("--layers", type=int, default=4, help="weight copies cycled through (to miss L2)")
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--inter", type=int, default=768)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--json", default=None, help="write the rows here")
     ns = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("kernel_bench.py needs a CUDA GPU")
+        raise SystemExit("kernel_bench.py moe needs a CUDA GPU")
     if ns.inter % ns.tp:
         ap.error(f"--inter {ns.inter} is not divisible by --tp {ns.tp}")
     res = bench_moe(ns)
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump(res, f, indent=1)
+
+
+COMMANDS = {"attention": attention, "moe": moe}
+
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in COMMANDS:
+        raise SystemExit(f"usage: kernel_bench.py {{{','.join(COMMANDS)}}} [options]  (got {argv[:1]})\n\n"
+                         + (__doc__ or ""))
+    COMMANDS[argv[0]](argv[1:])
 
 
 if __name__ == "__main__":

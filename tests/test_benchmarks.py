@@ -5,6 +5,9 @@ import os
 import sys
 import time
 
+import pytest
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.append(os.path.join(ROOT, "benchmarks"))  # (after the installed packages: no shadowing)
 
@@ -61,3 +64,60 @@ def test_train_tiny_checkpoint_loads(tmp_path):
     prompts = train_tiny.copy_prompts(2, seed=0, max_len=40)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     assert [len(o["token_ids"]) for o in outs] == [4, 4]
+
+
+def test_kernel_bench_attention_layouts():
+    """kernel_bench's attention cases: the paged cache it builds for ours holds the dense tensors SDPA gets (the
+    kernel, under the CPU interpreter, matches SDPA on equal fresh prompts and the reference on a chunk over a
+    prefix), and its FLOP count is the causal triangle's."""
+    import kernel_bench
+    import torch.nn.functional as F
+
+    from nanovllm.attention.torch_ref import paged_attention_ref
+    from nanovllm.kernels.prefill_config import TileConfig
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = TileConfig(32, 32, 4, 2, tma=True)
+    case = kernel_bench.AttentionCase("2 x 40", [(40, 0)] * 2, 4, 2, 16, device=dev, dtype=torch.float32)
+    assert case.dense and case.bucket == "short" and case.flops == 2 * 4 * 4 * 16 * 40 * 40 / 2
+    q, k, v = (t.transpose(1, 2) for t in (case.q, case.k, case.v))
+    ref = case.reference_rows(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=case.scale,
+                                                                      enable_gqa=True))
+    torch.testing.assert_close(case.ours(cfg)().clone(), ref, atol=1e-5, rtol=1e-5)
+    chunk = kernel_bench.AttentionCase("chunk", [(24, 300), (40, 0)], 4, 2, 16, device=dev, dtype=torch.float32)
+    assert not chunk.dense and chunk.flops == 4 * 4 * 16 * (24 * 300 + 24 * 24 / 2 + 40 * 40 / 2)
+    want = paged_attention_ref(chunk.q_flat, chunk.k_cache, chunk.v_cache, chunk.cu, chunk.seq_lens, chunk.bt,
+                               chunk.scale, chunk.max_q)
+    torch.testing.assert_close(chunk.ours(cfg)().clone(), want, atol=1e-5, rtol=1e-5)
+    # --kv-cache-dtype fp8: our cache in e4m3 with its scales, SDPA on the dequantized values
+    fp8 = kernel_bench.AttentionCase("chunk", [(24, 300), (40, 0)], 4, 2, 16, device=dev, dtype=torch.float32,
+                                     kv_fp8=True)
+    assert fp8.k_cache.dtype == torch.float8_e4m3fn and fp8.scales[0].shape == fp8.k_cache.shape[:3]
+    assert not torch.equal(fp8.k, chunk.k) and torch.allclose(fp8.k, chunk.k, rtol=0.07, atol=1e-6)
+    for x, cache, s in ((fp8.k, fp8.k_cache, fp8.scales[0]), (fp8.v, fp8.v_cache, fp8.scales[1])):
+        deq = (cache.float() * s[..., None])[fp8.bt[0, :2].long()].reshape(-1, 2, 16)   # sequence 0: 324 tokens
+        assert torch.equal(deq[:324], x[0, :324])
+    want = paged_attention_ref(fp8.q_flat, fp8.k_cache, fp8.v_cache, fp8.cu, fp8.seq_lens, fp8.bt, fp8.scale,
+                               fp8.max_q, k_scales=fp8.scales[0], v_scales=fp8.scales[1])
+    torch.testing.assert_close(fp8.ours(cfg)().clone(), want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(SystemExit, match="usage"):
+        kernel_bench.main(["nope"])
+
+
+def test_prefill_heavy_workload_and_mode(tiny_ckpt, capsys):
+    """The prefill-heavy workload: seeded, 64 prompts of 6,000-8,000 tokens with 64-256 outputs, and
+    bench_offline's mode for it (its own max_model_len, prompt/output/total tok/s; the reference workload's length
+    flags rejected). One request on the CPU."""
+    import workload
+    prompts, max_tokens = workload.prefill_heavy_workload()
+    assert len(prompts) == 64 and (prompts, max_tokens) == workload.prefill_heavy_workload()
+    assert all(6000 <= len(p) <= 8000 for p in prompts) and all(64 <= m <= 256 for m in max_tokens)
+    assert workload.PREFILL_HEAVY_MAX_MODEL_LEN >= max(map(len, prompts)) + max(max_tokens)
+    assert workload.offline_workload()[0][:3] == workload.offline_workload()[0][:3]  # the reference is unchanged
+    path = tiny_ckpt("qwen3", vocab_size=10240, max_position_embeddings=9000)
+    with pytest.raises(SystemExit):
+        bench_offline.main(["--model", path, "--workload", "prefill-heavy", "--max-input-len", "100"])
+    res = bench_offline.main(["--model", path, "--workload", "prefill-heavy", "--num-seqs", "1", "--device", "cpu"])
+    assert res["workload"] == "prefill-heavy" and res["engine_args"]["max_model_len"] == 8256
+    assert 6000 <= res["prompt_tokens"] <= 8000 and 64 <= res["output_tokens"] <= 256
+    assert res["prompt_tok_s"] > 0 and res["total_tok_s"] > res["output_tok_s"]
+    assert "prompt," in capsys.readouterr().out

@@ -24,6 +24,7 @@ from nanovllm.engine.cuda_graphs import MIXED_MAX_TOKENS, CUDAGraphs
 from nanovllm.engine.executor import StepResult
 from nanovllm.engine.step_inputs import Layout, Staging, StepInputs
 from nanovllm.engine.step_timer import StepProfiler, StepTimer
+from nanovllm.kernels.prefill_config import SHORT_MAX_Q
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.context import LayerContext
 from nanovllm.layers.linear import GemmPlan, UnquantizedLinearMethod
@@ -119,7 +120,10 @@ class ModelRunner:
         per_block = kv_cache.bytes_per_block(self.attn_layers, self.block_size, cfg.cache_dtype)
         n = kv_cache.num_blocks(cfg, per_block, lambda: self.warmup(kv_cache.profile_lens(cfg)))
         if self.device.type == "cuda" and cfg.args.num_kvcache_blocks is None:
-            self.warmup([1, 2, 3][:cfg.max_num_seqs])  # the short-chunk prefill variant, compiled now
+            # the varlen kernel's variants for a few query rows and for prompts up to SHORT_MAX_Q tokens, compiled
+            # now (the largest step above compiled the long one), not in a step of the run
+            self.warmup([1, 2, 3][:cfg.max_num_seqs])
+            self.warmup([min(SHORT_MAX_Q, cfg.max_num_batched_tokens, cfg.max_model_len)])
         n = kv_cache.agree(self.tp, n, self.device)
         kv_cache.check_fits(n, cfg)
         # the K/V values, and an e4m3 cache's per-(token, head) scales (None otherwise)

@@ -70,6 +70,19 @@ def sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
+_CAPABILITY: dict = {}
+
+
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) compute capability of a CUDA device (host query, cached); (0, 0) elsewhere."""
+    if device.type != "cuda":
+        return (0, 0)
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _CAPABILITY:
+        _CAPABILITY[idx] = tuple(torch.cuda.get_device_capability(idx))
+    return _CAPABILITY[idx]
+
+
 def check_kv_scales(fn: str, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scales: torch.Tensor | None,
                     v_scales: torch.Tensor | None) -> tuple[bool, int, int]:
     """An e4m3 KV cache comes with float32 scales per (block, slot, KV head), (num_blocks, block_size, Hkv) views

@@ -62,6 +62,16 @@ def kv_tile(K, V, KS, VS, Q, bt_row, n0, offs_n, offs_d, n_limit, n_ok, head_off
     else:
         k = tl.load(K + rows[:, None] + offs_d[None, :])
         v = tl.load(V + rows[:, None] + offs_d[None, :])
+    return kv_convert(k, v, KS, VS, Q, blk, pos, n_ok, kvh, stride_sb, stride_ss, BLOCK_N, MASKED, UPCAST, FP8)
+
+
+@triton.jit
+def kv_convert(k, v, KS, VS, Q, blk, pos, n_ok, kvh, stride_sb, stride_ss, BLOCK_N: tl.constexpr,
+               MASKED: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr):
+    """K and V tiles as loaded (keys at physical block blk, a scalar or per key, and offsets pos in it) -> the
+    tiles in the query's (Q's) dtype, or float32 when UPCAST, and the keys' (BLOCK_N,) scales (1.0 unless FP8).
+    FP8: the keys converted as stored (exact; the caller scales the scores by the returned scales), the values
+    dequantized (value * scale in float32); MASKED: the scales of keys with n_ok False read as 0."""
     dt = tl.float32 if UPCAST else Q.dtype.element_ty
     if FP8:
         srows = blk * stride_sb + pos * stride_ss + kvh

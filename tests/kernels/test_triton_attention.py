@@ -1,10 +1,13 @@
 """Triton paged attention (prefill/mixed and decode) against paged_attention_ref."""
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from nanovllm.attention.torch_ref import paged_attention_ref
 from nanovllm.kernels.decode_attention import decode_num_splits, decode_workspace_numel, paged_decode_attention
-from nanovllm.kernels.prefill_attention import paged_prefill_attention
+from nanovllm.kernels.prefill_attention import _sorted_tile, paged_prefill_attention
+from nanovllm.kernels.prefill_config import TileConfig
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5),
        torch.float16: dict(atol=5e-3, rtol=5e-3),
@@ -58,10 +61,11 @@ def reference(batch, scale):
                                batch["max_seqlen_q"])
 
 
-def run_prefill(batch, scale):
+def run_prefill(batch, scale, config=None, persistent=False):
     out = torch.full_like(batch["q"], float("nan"))
     res = paged_prefill_attention(batch["q"], batch["k_cache"], batch["v_cache"], batch["cu_seqlens_q"],
-                                  batch["seq_lens"], batch["block_tables"], scale, batch["max_seqlen_q"], out=out)
+                                  batch["seq_lens"], batch["block_tables"], scale, batch["max_seqlen_q"], out=out,
+                                  config=config, persistent=persistent)
     assert res is out
     return out
 
@@ -330,3 +334,192 @@ def test_backend_mixed_step_split(device, splits):
                              decode_lens=dec_lens, prefill_cu=prefill_cu, decode_splits=splits)
     out = TritonAttentionBackend().attend(batch["q"], batch["k_cache"], batch["v_cache"], meta, 0.3)
     torch.testing.assert_close(out, reference(batch, 0.3), **TOL[torch.float32])
+
+
+# --- the varlen kernel's variants (prefill_config.TileConfig) ---------------------------------------------------
+# (seq_len, q_len): padding with and without a query, first and later decode rows, a fresh prompt over several
+# tiles, a chunk starting mid-block over a cached prefix (47 % 32 = 15), one starting on a block (and tile)
+# boundary, a short tail chunk, the second chunk of a prompt longer than one chunk (31 tokens cached)
+VARIANT_SPECS = [(0, 1), (1, 1), (45, 1), (40, 40), (70, 23), (96, 32), (0, 0), (33, 17), (81, 50)]
+VARIANTS = [TileConfig(bm, bn, 4, st, tma=tma, pack_gqa=pack, order=order)
+            for bm, bn, st, tma, pack, order in [
+                (16, 16, 1, False, True, "natural"),
+                (32, 16, 2, False, True, "reverse"),
+                (32, 32, 2, False, False, "sorted"),
+                (16, 32, 3, True, True, "sorted"),
+                (32, 16, 2, True, False, "reverse"),
+                (64, 32, 2, True, True, "natural"),
+            ]]
+
+
+@pytest.mark.parametrize("config", VARIANTS, ids=lambda c: c.name)
+def test_prefill_variants_match_reference(device, config, monkeypatch):
+    """Every kind of variant (tile shapes, stages, pointer or TMA K/V loads, packed or one head per program, the
+    three launch orders) on the boundaries of causal block skipping: the unmasked loop's end falls before, on and
+    after KV-tile and block boundaries; chunks over cached prefixes; padding and decode rows. The TMA path is
+    taken exactly when the config asks (block_size 32 is a multiple of every block_n here)."""
+    from nanovllm.kernels import prefill_attention as attention
+    used = []
+    real = attention._kv_descriptors
+    monkeypatch.setattr(attention, "_kv_descriptors", lambda *a: used.append(real(*a)) or used[-1])
+    batch = make_batch(VARIANT_SPECS, 4, 2, 32, 32, torch.float32, device, seed=config.block_m + config.block_n)
+    out = run_prefill(batch, 0.3, config)
+    assert (used[0] is not None) == config.tma
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, reference(batch, 0.3), **TOL[torch.float32])
+    assert (out[0] == 0).all()  # seq_len 0 -> zeros
+
+
+@pytest.mark.parametrize("H,Hkv,D,dtype", [
+    (4, 4, 16, torch.float32),      # G 1
+    (6, 2, 32, torch.float32),      # G 3 (padded to 4)
+    (8, 4, 32, torch.bfloat16),     # G 2
+    (8, 2, 64, torch.float16),      # G 4, head_dim 64
+    (8, 1, 128, torch.bfloat16),    # G 8, head_dim 128
+])
+@pytest.mark.parametrize("pack", [True, False], ids=["pack", "nopack"])
+def test_prefill_gqa_groups_dtypes_head_dims(device, H, Hkv, D, dtype, pack):
+    """GQA groups 1/2/3/4/8 packed along M or one query head per program, head_dim 16-128, the three dtypes,
+    through TMA tiles of 64 rows (two physical blocks per tile would not be TMA: block_size 64 here)."""
+    specs = [(70, 23), (1, 1), (40, 40), (0, 0), (130, 64)]
+    batch = make_batch(specs, H, Hkv, D, 64, dtype, device, seed=H * D + Hkv)
+    cfg = TileConfig(64, 32, 4, 2, tma=True, pack_gqa=pack, order="sorted")
+    out = run_prefill(batch, D ** -0.5, cfg)
+    torch.testing.assert_close(out, reference(batch, D ** -0.5), **TOL[dtype])
+
+
+@pytest.mark.parametrize("config", [TileConfig(32, 16, 4, 2, tma=True, order="sorted"),
+                                    TileConfig(16, 32, 4, 2, pack_gqa=False)], ids=lambda c: c.name)
+def test_prefill_variants_on_the_persistent_grid(device, monkeypatch, config):
+    """The persistent grid (mixed-step CUDA graphs) with the variants' loads and head slots: leading rows that
+    belong to no sequence stay untouched, fewer programs than tiles, results as on the one-program-per-tile grid
+    (whose launch order the persistent grid ignores)."""
+    from nanovllm.kernels import prefill_attention as attention
+    specs = [(40, 1)] * 3 + [(100, 37), (48, 48), (0, 1), (70, 5), (50, 20)]
+    batch = make_batch(specs, 4, 2, 16, 32, torch.float32, device, seed=17)
+    cu = batch["cu_seqlens_q"].clone()
+    cu[:4] = 3
+    args = (batch["q"], batch["k_cache"], batch["v_cache"], cu, batch["seq_lens"], batch["block_tables"], 0.25,
+            batch["max_seqlen_q"])
+    tiles = paged_prefill_attention(*args, out=torch.full_like(batch["q"], float("nan")), config=config)
+    monkeypatch.setattr(attention, "sm_count", lambda _device: 2)
+    out = paged_prefill_attention(*args, out=torch.full_like(batch["q"], float("nan")), persistent=True,
+                                  config=config)
+    assert out[:3].isnan().all() and tiles[:3].isnan().all()
+    torch.testing.assert_close(out[3:], reference(batch, 0.25)[3:], **TOL[torch.float32])
+    assert torch.equal(out[3:], tiles[3:])
+
+
+def test_prefill_launch_orders_are_bit_identical(device):
+    """A launch order moves tiles between programs, never changes a tile's arithmetic."""
+    batch = make_batch([(70, 23), (96, 32), (0, 1), (81, 50)], 4, 2, 16, 32, torch.float32, device, seed=2)
+    outs = [run_prefill(batch, 0.3, TileConfig(32, 16, 4, 2, order=o)) for o in ("natural", "reverse", "sorted")]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@triton.jit
+def _sorted_tiles_kernel(CU, SEQ_LENS, OUT, num_seqs, BLOCK_Q: tl.constexpr, BLOCK_B: tl.constexpr):
+    """(sequence, tile) of every rank of the "sorted" launch order."""
+    r = tl.program_id(0)
+    b, qb = _sorted_tile(CU, SEQ_LENS, num_seqs, r, BLOCK_Q, BLOCK_B)
+    tl.store(OUT + 2 * r, b)
+    tl.store(OUT + 2 * r + 1, qb)
+
+
+@pytest.mark.parametrize("block_b", [4, 16])
+def test_sorted_order_is_heaviest_first(device, block_b):
+    """The "sorted" order's rank -> tile map, against a sort on the host: every tile once, by level (keys read,
+    in units of BLOCK_Q, counted from each sequence's end) descending, ties by sequence; ranks past the last tile
+    get no sequence. Sequences: a long chunk over a prefix, short prompts, decode rows, sequences without
+    queries (a mixed step's decode rows in prefill_cu), padding; with block_b 4 the search loops over blocks."""
+    specs = [(300, 37), (8, 8), (0, 0), (45, 1), (130, 64), (50, 0), (17, 17), (0, 1), (64, 64), (9, 3)]
+    q_lens = [q for _, q in specs]
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor([s for s, _ in specs], dtype=torch.int32)
+    BQ = 8
+    want = []
+    for b, (s, q) in enumerate(specs):
+        n = -(-q // BQ)
+        top = max(-(-s // BQ), n)
+        want += [(-(top - (n - 1 - j)), b, j) for j in range(n)]
+    want = [(b, j) for _, b, j in sorted(want)]
+    extra = 5
+    out = torch.full((2 * (len(want) + extra),), -7, dtype=torch.int32, device=device)
+    _sorted_tiles_kernel[(len(want) + extra,)](cu.to(device), seq_lens.to(device), out, len(specs), BLOCK_Q=BQ,
+                                               BLOCK_B=block_b)
+    got = out.view(-1, 2).cpu().tolist()
+    assert [tuple(t) for t in got[:len(want)]] == want
+    assert all(b == -1 for b, _ in got[len(want):])
+
+
+def test_table_configs_match_reference(device):
+    """Every distinct config of the table (the Hopper tiles: 64/128 x 128, TMA) on a small batch, at its own
+    head_dim and GQA group, with the engine's block size."""
+    from nanovllm.kernels.prefill_config import TABLE
+    seen = set()
+    for (D, g_pad, _, dt), cfg in sorted(TABLE.items(), key=lambda kv: kv[1].name):
+        if (cfg, D) in seen or dt != "bf16" or g_pad != 4:
+            continue
+        seen.add((cfg, D))
+        batch = make_batch([(150, 70), (7, 1), (0, 0), (40, 40)], 4, 1, D, 256, torch.bfloat16, device, seed=D)
+        out = run_prefill(batch, D ** -0.5, cfg)
+        torch.testing.assert_close(out, reference(batch, D ** -0.5), **TOL[torch.bfloat16])
+    assert len(seen) >= 2
+
+
+def test_tile_config_choice():
+    from nanovllm.kernels.prefill_config import TABLE, bucket, tile_config
+    assert bucket(1, 8) == "decode" and bucket(8, 4) == "decode" and bucket(9, 4) == "short"
+    assert bucket(1024, 1) == "short" and bucket(1025, 1) == "long"
+    for key in [(128, 4, "long", "bf16"), (64, 4, "short", "fp16")]:
+        D, g, b, dt = key
+        lens = {"short": 512, "long": 8192}[b]
+        assert tile_config(D, g, lens, {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]) == TABLE[key]
+    # a GQA group the table lacks takes the nearest one's entry
+    assert tile_config(128, 8, 8192, torch.bfloat16) == TABLE[(128, 4, "long", "bf16")]
+    assert tile_config(128, 1, 8192, torch.bfloat16) == TABLE[(128, 2, "long", "bf16")]
+    dec = tile_config(128, 8, 1, torch.bfloat16)             # not in the table: the heuristic's short tiles
+    assert dec.block_m == 32 and not dec.tma
+    assert tile_config(16, 1, 4096, torch.float32) == TileConfig(64, 32, 4, 2)  # float32: small exact tiles
+    assert tile_config(16, 128, 1, torch.float32).block_m == 128  # at least one query of every packed head
+
+
+def test_tile_config_validation_and_names():
+    with pytest.raises(ValueError, match="block_n"):
+        TileConfig(64, 48, 4, 2)
+    with pytest.raises(ValueError, match="order"):
+        TileConfig(64, 64, 4, 2, order="random")
+    with pytest.raises(ValueError, match="warp_specialize"):
+        TileConfig(64, 64, 4, 2, warp_specialize=True)
+    with pytest.raises(ValueError, match="num_warps"):
+        TileConfig(64, 64, 3, 2)
+    cfg = TileConfig(128, 128, 8, 3, tma=True, pack_gqa=False, order="sorted")
+    assert cfg.name == "m128n128w8s3-tma-nopack-sorted"
+    assert eval(cfg.code()) == cfg  # a sweep's table entry reads back as the same config
+
+
+def test_prefill_tma_falls_back_to_pointers(device):
+    """TMA only where a KV tile is one box of the flattened cache: a block size that is no multiple of block_n,
+    or a cache whose rows are not dense, takes the pointer path (same results)."""
+    from nanovllm.kernels.prefill_attention import _kv_descriptors
+    cfg = TileConfig(32, 32, 4, 2, tma=True)
+    batch = make_batch([(70, 23), (40, 40)], 4, 2, 16, 48, torch.float32, device, seed=8)
+    assert _kv_descriptors(batch["k_cache"], batch["v_cache"], cfg) is None       # 48 % 32 != 0
+    torch.testing.assert_close(run_prefill(batch, 0.3, cfg), reference(batch, 0.3), **TOL[torch.float32])
+    batch = make_batch([(70, 23), (40, 40)], 4, 2, 16, 32, torch.float32, device, seed=8)
+    assert _kv_descriptors(batch["k_cache"], batch["v_cache"], cfg) is not None
+    wide_k = torch.cat([batch["k_cache"], batch["k_cache"]], dim=2)[:, :, :2]      # head stride 2 * Hkv * D
+    wide_v = torch.cat([batch["v_cache"], batch["v_cache"]], dim=2)[:, :, :2]
+    assert _kv_descriptors(wide_k, wide_v, cfg) is None
+    wide = dict(batch, k_cache=wide_k, v_cache=wide_v)
+    torch.testing.assert_close(run_prefill(wide, 0.3, cfg), reference(batch, 0.3), **TOL[torch.float32])
+
+
+def test_prefill_rejects_bad_scale_and_config(device):
+    batch = make_batch([(20, 5)], 4, 2, 16, 16, torch.float32, device)
+    with pytest.raises(ValueError, match="scale"):
+        run_prefill(batch, 0.0)
+    with pytest.raises(TypeError, match="TileConfig"):
+        run_prefill(batch, 0.3, config=(64, 64, 4, 2))
+    with pytest.raises(ValueError, match="block_m"):
+        run_prefill(make_batch([(20, 5)], 32, 1, 16, 16, torch.float32, device), 0.3, TileConfig(16, 16, 4, 1))

@@ -1,6 +1,9 @@
 """FP8 kernels against their torch references: the activation quantizers and the e4m3 rounding (bit for bit), the
 W8A8 GEMM (row-wise and block-wise scales), the e4m3 KV-cache writers (store kernel and fused q/k-norm + RoPE +
-store: bit for bit) and the attention kernels reading an e4m3 cache."""
+store: bit for bit) and the attention kernels reading an e4m3 cache (the varlen kernel's variants included: pointer
+and TMA loads, packed or one head per program, the launch orders, the persistent grid)."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -11,10 +14,11 @@ from nanovllm.kernels.fp8_quant import per_token_group_quant_fp8, per_token_quan
 from nanovllm.kernels.fused_qkv import qkv_norm_rope_store
 from nanovllm.kernels.kvcache import store_kvcache
 from nanovllm.kernels.prefill_attention import paged_prefill_attention
+from nanovllm.kernels.prefill_config import TileConfig
 from nanovllm.layers.fused_qkv_ref import qkv_norm_rope_store_ref
 from nanovllm.layers.quantization import fp8_ref
 from nanovllm.layers.rotary import RotaryEmbedding
-from tests.kernels.test_triton_attention import DECODE, MIXED, TOL, make_batch
+from tests.kernels.test_triton_attention import DECODE, MIXED, TOL, VARIANT_SPECS, VARIANTS, make_batch
 
 FP8 = torch.float8_e4m3fn
 
@@ -233,6 +237,63 @@ def test_prefill_attention_fp8_cache(device, block_size, H, Hkv, D, dtype):
                             k_scales=batch["k_scales"], v_scales=batch["v_scales"])
     assert not out.isnan().any()
     torch.testing.assert_close(out, _fp8_reference(batch, scale), **TOL[dtype])
+
+
+def _fp8_prefill(batch, scale, config=None, persistent=False):
+    out = torch.full_like(batch["q"], float("nan"))
+    paged_prefill_attention(batch["q"], batch["k_cache"], batch["v_cache"], batch["cu_seqlens_q"], batch["seq_lens"],
+                            batch["block_tables"], scale, batch["max_seqlen_q"], out=out, config=config,
+                            persistent=persistent, k_scales=batch["k_scales"], v_scales=batch["v_scales"])
+    return out
+
+
+@pytest.mark.parametrize("config", VARIANTS, ids=lambda c: c.name)
+def test_prefill_variants_fp8_cache(device, config, monkeypatch):
+    """Every kind of varlen variant on an e4m3 cache whose unowned slots hold NaN (values and scales), on the
+    boundaries of causal block skipping (test_triton_attention's VARIANT_SPECS): the TMA ones through a descriptor
+    over the e4m3 cache (scales through pointers) exactly when the config asks; each matches the reference and
+    the same config's pointer twin bit for bit (the two paths differ in how the bytes arrive, not in arithmetic)."""
+    from nanovllm.kernels import prefill_attention as attention
+    used = []
+    real = attention._kv_descriptors
+    monkeypatch.setattr(attention, "_kv_descriptors", lambda *a: used.append(real(*a)) or used[-1])
+    batch = _fp8_batch(VARIANT_SPECS, 4, 2, 32, 32, torch.float32, device, seed=config.block_m + config.block_n)
+    out = _fp8_prefill(batch, 0.3, config)
+    assert (used[0] is not None) == config.tma
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, _fp8_reference(batch, 0.3), **TOL[torch.float32])
+    assert (out[0] == 0).all()  # seq_len 0 -> zeros
+    if config.tma:
+        assert torch.equal(out, _fp8_prefill(batch, 0.3, replace(config, tma=False)))
+
+
+@pytest.mark.parametrize("pack", [True, False], ids=["pack", "nopack"])
+def test_prefill_fp8_cache_half_queries_tma(device, pack):
+    """The engine's case: bf16 queries over an e4m3 cache through TMA tiles (GQA 4, head_dim 64), packed or one
+    query head per program; and fp16 queries on the pointer path (a block size that is no multiple of block_n)."""
+    specs = [(70, 23), (1, 1), (40, 40), (0, 0), (130, 64)]
+    cfg = TileConfig(64, 32, 4, 2, tma=True, pack_gqa=pack, order="sorted")
+    for dtype, block_size in ((torch.bfloat16, 64), (torch.float16, 48)):
+        batch = _fp8_batch(specs, 8, 2, 64, block_size, dtype, device, seed=block_size + pack)
+        out = _fp8_prefill(batch, 0.125, cfg)
+        torch.testing.assert_close(out, _fp8_reference(batch, 0.125).to(dtype), **TOL[dtype])
+
+
+def test_prefill_fp8_cache_persistent_grid(device, monkeypatch):
+    """The persistent grid (mixed-step CUDA graphs) on an e4m3 cache, TMA tiles: leading rows that belong to no
+    sequence stay untouched, fewer programs than tiles, results as on the one-program-per-tile grid."""
+    from nanovllm.kernels import prefill_attention as attention
+    specs = [(40, 1)] * 3 + [(100, 37), (48, 48), (0, 1), (70, 5), (50, 20)]
+    batch = _fp8_batch(specs, 4, 2, 16, 32, torch.float32, device, seed=17)
+    shifted = dict(batch, cu_seqlens_q=batch["cu_seqlens_q"].clone())
+    shifted["cu_seqlens_q"][:4] = 3      # rows 0-2: the first three sequences get no queries
+    cfg = TileConfig(32, 16, 4, 2, tma=True, order="sorted")
+    tiles = _fp8_prefill(shifted, 0.25, cfg)
+    monkeypatch.setattr(attention, "sm_count", lambda _device: 2)
+    out = _fp8_prefill(shifted, 0.25, cfg, persistent=True)
+    assert out[:3].isnan().all() and tiles[:3].isnan().all()
+    torch.testing.assert_close(out[3:], _fp8_reference(batch, 0.25)[3:], **TOL[torch.float32])
+    assert torch.equal(out[3:], tiles[3:])
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
