@@ -2,6 +2,14 @@
 
     python benchmarks/bench_offline.py --model benchmarks/models/qwen3-0.6b --load-format dummy
 
+`--workload copy --batch B` measures speculative decoding where it pays: greedy answers that copy their prompt
+(benchmarks/train_tiny.py's copy prompts, on the model that script trains), B requests at a time (max_num_seqs),
+4 B requests in all; compare runs with and without `--speculative-config '{"method": "ngram", ...}'`:
+
+    python benchmarks/train_tiny.py /tmp/copy-model
+    python benchmarks/bench_offline.py --model /tmp/copy-model --workload copy --batch 1 \
+        --speculative-config '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4}'
+
 Prints output tok/s, total time, achieved memory bandwidth (weights once per step + every scheduled
 sequence's KV), peak GPU memory and the startup breakdown, and on NVIDIA GPUs the run's energy, average power
 and median SM clock (an 8B run on one H200 runs at its 700 W cap, so its speed follows the clock each GPU holds
@@ -82,9 +90,15 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True,
                     help="checkpoint dir, or a dir with only config.json (--load-format dummy)")
-    ap.add_argument("--num-seqs", type=int, default=256)
-    ap.add_argument("--max-input-len", type=int, default=1024)
-    ap.add_argument("--max-output-len", type=int, default=1024)
+    ap.add_argument("--workload", choices=("reference", "copy"), default="reference",
+                    help="reference: random prompts, temperature 0.6; copy: greedy answers that copy the prompt "
+                         "(train_tiny.copy_prompts), for speculative decoding")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="copy workload: requests at a time (max_num_seqs; default 256); --num-seqs defaults to 4x it")
+    ap.add_argument("--num-seqs", type=int, default=None, help="requests (default: 256 for the reference workload)")
+    ap.add_argument("--max-input-len", type=int, default=None, help="default: 1024 (reference), 400 (copy)")
+    ap.add_argument("--max-output-len", type=int, default=None, help="default: 1024 (reference), 200 (copy: every "
+                                                                       "request generates this many)")
     ap.add_argument("--json", default=None, help="append the result as a JSON line to this file")
     ap.add_argument("--label", default="", help="a free-form label stored in the JSON line")
     ap.add_argument("--step-log", default=None, help="write per-step timings (JSON) here and print a summary")
@@ -94,9 +108,19 @@ def main(argv=None) -> dict:
     add_engine_args(ap)
     ns = ap.parse_args(argv)
     kwargs = {"max_model_len": 4096, **engine_kwargs(ns)}
-
-    prompts, max_tokens = offline_workload(ns.num_seqs, ns.max_input_len, ns.max_output_len)
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
+    if ns.workload == "copy":
+        import train_tiny  # (benchmarks/)
+        batch = ns.batch or 256
+        kwargs.setdefault("max_num_seqs", batch)
+        kwargs["max_model_len"] = min(kwargs["max_model_len"], train_tiny.SEQ_LEN)  # the lengths it was trained on
+        out_len = ns.max_output_len or 200
+        prompts = train_tiny.copy_prompts(ns.num_seqs or 4 * batch, seed=0, max_len=ns.max_input_len or 400)
+        max_tokens = [out_len] * len(prompts)
+        params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m) for m in max_tokens]
+    else:
+        prompts, max_tokens = offline_workload(ns.num_seqs or 256, ns.max_input_len or 1024,
+                                               ns.max_output_len or 1024)
+        params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
 
     cuda = torch.cuda.is_available() and kwargs.get("device", "auto") != "cpu"
     timing_dir = None
@@ -146,8 +170,14 @@ def main(argv=None) -> dict:
         "startup_s": round(startup, 2), "load_s": seconds("load_seconds"), "kv_sizing_s": seconds("kv_seconds"),
         "gemm_plan_s": seconds("gemm_plan_seconds"), "cuda_graph_capture_s": seconds("capture_seconds"),
         "kv_blocks": eng.block_manager.num_blocks, "preemptions": eng.scheduler.num_preemptions,
-        "async_scheduling": eng.async_scheduling,
+        "async_scheduling": eng.async_scheduling, "workload": ns.workload,
     }
+    if eng.spec_metrics is not None:
+        spec = eng.spec_metrics
+        res["spec_decode"] = {k: round(v, 3) for k, v in spec.items()}
+        print(f"speculative decoding: {spec['num_accepted_tokens']} of {spec['num_draft_tokens']} draft tokens "
+              f"accepted in {spec['num_drafts']} verifications, mean acceptance length "
+              f"{spec['mean_acceptance_length']:.2f}")
     if power is not None:
         res.update(power.summary())
         res["J_per_output_token"] = round(res["energy_J"] / n_out, 4)

@@ -32,7 +32,21 @@ _HELP = {
     "tokenizer_revision": "revision of a Hugging Face tokenizer id",
     "download_dir": "Hugging Face cache directory (default: huggingface_hub's, e.g. ~/.cache/huggingface/hub)",
     "trust_remote_code": "accepted for vLLM compatibility; no remote code ever runs",
+    "speculative_config": "speculative decoding as JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                          "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (default: none)",
 }
+
+
+def json_object(text: str) -> dict:
+    """A flag's JSON object value (argparse type): anything else is an error naming the flag's value."""
+    import json
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -61,6 +75,8 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("m
             typ = {int: int, float: float}.get(type(default), str)
             if f.name in ("max_model_len", "max_num_batched_tokens", "num_kvcache_blocks"):
                 typ = int
+            if str(f.type).startswith("dict"):
+                typ = json_object
             group.add_argument(flag, type=typ, default=None, help=text)
 
 
@@ -124,8 +140,11 @@ def _generate(ns: argparse.Namespace) -> int:
                                     sorted(pos.values(), key=lambda lp: lp.rank))
                     print(f"    {pos[tok].decoded_token!r} rank {pos[tok].rank}: {top}")
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    spec = llm.engine.spec_metrics
     print(f"[nanovllm] {len(outs)} requests, {tokens} tokens in {seconds:.2f}s, "
-          f"{tokens / max(seconds, 1e-9):.1f} tok/s")
+          f"{tokens / max(seconds, 1e-9):.1f} tok/s"
+          + (f", {spec['num_accepted_tokens']}/{spec['num_draft_tokens']} draft tokens accepted (mean acceptance "
+             f"length {spec['mean_acceptance_length']:.2f})" if spec else ""))
     return 0
 
 

@@ -11,9 +11,10 @@ not pay:
   weights, so the drafts ride almost for free, and the verification step fits the smallest mixed-step graph;
   above it, drafts cost compute and the lost async overlap, and at full load speculation is off altogether.
 * sequences whose drafts do not get accepted: after a step in which a sequence got no proposal or none of its
-  drafts was accepted, it is not proposed for again for 2, 4, 8, ... up to MAX_BACKOFF_STEPS steps (reset by an
-  accepted draft), and a step is synchronous only if some sequence is due. Text that does not repeat itself
-  (random weights, most chat) thus costs a synchronous step now and then, not every step.
+  drafts was accepted, it is not *due* for 2, 4, 8, ... up to MAX_BACKOFF_STEPS steps (reset by an accepted
+  draft), and a step speculates only if some sequence is due. Text that does not repeat itself (random weights,
+  most chat) thus costs a synchronous step now and then, not every step. Once a step speculates, every sequence
+  that can gets a proposal, due or not: the step is synchronous anyway, and its drafts ride along.
 * draft length: a sequence gets up to min(k, accepted + 1) drafts after a step in which it had `accepted` of them
   accepted (one more than last time when all were), never more than it can still emit (max_tokens, the context).
 
@@ -69,10 +70,14 @@ class Speculator:
             seq.spec = SpecState(max_drafts=self.k)
         return seq.spec
 
-    def _due(self, seq: Sequence) -> bool:
-        """A decoding sequence that may get drafts now."""
+    def _can_draft(self, seq: Sequence) -> bool:
+        """A decoding sequence that can verify drafts in the next step."""
         return (seq.num_output_tokens > 0 and seq.num_computed_tokens == seq.num_tokens - 1 and seq.can_speculate
-                and self._room(seq) > 0 and self._state(seq).next_try <= self.clock)
+                and self._room(seq) > 0)
+
+    def _due(self, seq: Sequence) -> bool:
+        """One that can, and whose backoff is over."""
+        return self._can_draft(seq) and self._state(seq).next_try <= self.clock
 
     def wants_drafts(self, running: list[Sequence]) -> bool:
         """Whether the next step speculates: few enough sequences run, and one of them is due. Called once per
@@ -94,9 +99,9 @@ class Speculator:
         return st.history[:L]
 
     def propose(self, running: list[Sequence]) -> list[Sequence]:
-        """Set `draft_ids` of the due sequences the proposer has drafts for (their last tokens are known now);
-        returns them. A due sequence without a proposal backs off."""
-        seqs = [s for s in running if self._due(s) and s.token_ids[-1] != PLACEHOLDER]
+        """Set `draft_ids` of the sequences that can draft and the proposer has drafts for (their last tokens are
+        known now); returns them. One without a proposal backs off."""
+        seqs = [s for s in running if self._can_draft(s) and s.token_ids[-1] != PLACEHOLDER]
         limits = [min(self._state(s).max_drafts, self._room(s)) for s in seqs]
         drafted = []
         for seq, drafts in zip(seqs, self.proposer.propose([self._history(s) for s in seqs], limits)):
