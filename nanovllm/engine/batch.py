@@ -155,6 +155,20 @@ def _add_features(fb: FeatureBatch, row: int, seq) -> None:
         fb.bias_values.extend(v for _, v in entries)
 
 
+def _add_draft_rows(sb: SamplingBatch, db: DraftBatch, row: int, seq, k: int) -> None:
+    """Sampling parameters of the 1 + k logits rows from `row` of a sequence verifying k drafts."""
+    p, n = seq.params, k + 1
+    db.first_rows.append(row)
+    db.num_drafts.append(k)
+    sb.temperatures.extend([float(p.temperature)] * n)
+    sb.top_ks.extend([p.top_k] * n)
+    sb.top_ps.extend([float(p.top_p)] * n)
+    sb.min_ps.extend([float(p.min_p)] * n)
+    sb.seeds.extend([seq.noise_seed] * n)
+    sb.steps.extend(range(seq.num_output_tokens, seq.num_output_tokens + n))
+    sb.logprobs.extend([p.logprobs] * n)
+
+
 def build_step_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
     input_ids: list[int] = []
     positions: list[int] = []
@@ -203,15 +217,12 @@ def build_step_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
         seq_lens.append(end)
         tables.append(table)
         if real_end == seq.num_tokens:
+            row = len(logits_indices)
             p = seq.params
-            if k:
-                db.first_rows.append(len(logits_indices))
-                db.num_drafts.append(k)
-            for j in range(k + 1):  # the last real token's row, then one row per draft token
-                row = len(logits_indices)
-                logits_indices.append(cu[-1] - 1 - k + j)
+            step = seq.num_output_tokens
+            if not k:  # one logits row: its last token's
+                logits_indices.append(cu[-1] - 1)
                 logits_seqs.append(b)
-                step = seq.num_output_tokens + j
                 sb.temperatures.append(float(p.temperature))
                 sb.top_ks.append(p.top_k)
                 sb.top_ps.append(float(p.top_p))
@@ -219,18 +230,23 @@ def build_step_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
                 sb.seeds.append(seq.noise_seed)
                 sb.steps.append(step)
                 sb.logprobs.append(p.logprobs)
-                if step < p.min_tokens:
-                    sb.banned.extend((row, t) for t in seq.stop_ids)
-                if seq.sampler_slot is not None:
-                    _add_features(fb, row, seq)
+            else:  # its last real token's row, then one per draft: row j samples output position step + j
+                logits_indices.extend(range(cu[-1] - 1 - k, cu[-1]))
+                logits_seqs.extend([b] * (k + 1))
+                _add_draft_rows(sb, db, row, seq, k)
+            if step < p.min_tokens:  # stop ids held back in the rows sampling positions below min_tokens
+                for j in range(min(k + 1, p.min_tokens - step)):
+                    sb.banned.extend((row + j, t) for t in seq.stop_ids)
+            if seq.sampler_slot is not None:
+                for j in range(k + 1):
+                    _add_features(fb, row + j, seq)
             sb.deferred |= seq.deferred_sampling
     if fb.rows:
         sb.features = fb
     if db.first_rows:
         w = db.width
         for i, k in zip(db.first_rows, db.num_drafts):
-            seq = out.seqs[logits_seqs[i]]
-            db.tokens.extend(seq.draft_ids[:k] + [-1] * (w - k))
+            db.tokens.extend(out.seqs[logits_seqs[i]].draft_ids[:k] + [-1] * (w - k))
         sb.drafts = db
     return StepBatch(input_ids=input_ids, positions=positions, slot_mapping=slots, cu_seqlens_q=cu,
                      seq_lens=seq_lens, block_tables=tables, max_seqlen_q=max(out.num_new_tokens, default=0),

@@ -309,45 +309,33 @@ class LLMEngine:
         for seq, row in pending:
             if seq.is_finished:  # aborted while its step was in flight
                 continue
+            tok = result.token_ids[row]
+            seq.token_ids[seq.num_prompt_tokens + seq.num_output_tokens - 1] = tok
             seq.pending_row = None
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            num_drafts, accepted = verified.get(row, (0, 0))
-            if num_drafts:
+            emitted += 1
+            reason = self._accept_token(seq, tok, result, row)
+            if verified and row in verified:  # the accepted drafts, then the token after them
+                num_drafts, accepted = verified[row]
                 self.speculator.record(seq, num_drafts, accepted)
-            for i in range(accepted + 1):
-                tok = result.token_ids[row + i]
-                if i == 0:
-                    seq.token_ids[seq.num_prompt_tokens + seq.num_output_tokens - 1] = tok
-                else:
+                i = 0
+                while reason is None and i < accepted:
+                    i += 1
+                    tok = result.token_ids[row + i]
                     seq.append_token(tok)
-                emitted += 1
-                reason = self._accept_token(seq, tok, result, row + i)
-                if reason is not None:
-                    self._finish(seq, reason)
-                    if all(s.is_finished for s in self.requests.get(seq.request_id, ())):
-                        self.requests.pop(seq.request_id, None)
-                    break
-            else:
-                if accepted:  # the accepted drafts' K/V stays; their blocks can be registered now
+                    emitted += 1
+                    reason = self._accept_token(seq, tok, result, row + i)
+                if reason is None and accepted:  # their K/V stays; blocks holding them can be registered now
                     seq.num_computed_tokens += accepted
                     self.block_manager.register_full_blocks(seq)
+            if reason is not None:
+                self._finish(seq, reason)
+                if all(s.is_finished for s in self.requests.get(seq.request_id, ())):
+                    self.requests.pop(seq.request_id, None)
             if seq.is_finished or seq.stream:
                 outputs.append(self._make_output(seq, now))
         return outputs, emitted
-
-    def _accept_token(self, seq: Sequence, tok: int, result, row: int) -> str | None:
-        """Record a new output token's logprobs and advance its grammar; the reason to finish, if any."""
-        if seq.logprobs is not None:
-            k = seq.params.logprobs
-            seq.logprobs.append(_entry(tok, result.logprobs[row], result.ranks[row],
-                                       result.top_ids[row][:k] if k else (), result.top_logprobs[row][:k] if k
-                                       else ()))
-        reason = self._check_stop(seq, tok)
-        if reason is None and seq.matcher is not None and not seq.matcher.accept_token(tok):
-            logger.warning("request %s: token %d breaks its grammar; finishing it", seq.request_id, tok)
-            reason = "abort"
-        return reason
 
     @staticmethod
     def _record_prompt_logprobs(result, batch, seqs: list[Sequence]) -> None:
@@ -362,8 +350,15 @@ class LLMEngine:
                 result.prompt_top_ids[i][:want] if k and want else (),
                 result.prompt_top_logprobs[i][:want] if k and want else ()))
 
-    def _check_stop(self, seq: Sequence, tok: int) -> str | None:
+    def _accept_token(self, seq: Sequence, tok: int, result, row: int) -> str | None:
+        """A new output token (row `row` of the step's result): record its logprobs, check for a stop, advance its
+        grammar. Returns the reason to finish, if any."""
         p = seq.params
+        if seq.logprobs is not None:
+            k = p.logprobs
+            seq.logprobs.append(_entry(tok, result.logprobs[row], result.ranks[row],
+                                       result.top_ids[row][:k] if k else (), result.top_logprobs[row][:k] if k
+                                       else ()))
         n_out = seq.num_output_tokens
         if tok in seq.stop_ids and n_out >= p.min_tokens:
             # vLLM's convention: stop_reason is the token id for stop_token_ids, None for EOS
@@ -380,6 +375,9 @@ class LLMEngine:
                     return "stop"
         if n_out >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return "length"
+        if seq.matcher is not None and not seq.matcher.accept_token(tok):
+            logger.warning("request %s: token %d breaks its grammar; finishing it", seq.request_id, tok)
+            return "abort"
         return None
 
     def _make_output(self, seq: Sequence, now: float) -> StepOutput:
