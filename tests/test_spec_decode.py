@@ -70,7 +70,8 @@ def accepted(llm: LLM) -> int:
     {"max_num_batched_tokens": 48, "kvcache_block_size": 32},                    # chunked prefill, drafts cut
     {"kvcache_block_size": 16, "num_kvcache_blocks": 34, "max_model_len": 512},  # preemption
     {"async_scheduling": True, "kvcache_block_size": 16},                        # sync and async steps in turn
-], ids=["default", "chunked", "preemption", "async"])
+    {"scheduling_policy": "balanced", "max_num_batched_tokens": 64, "kvcache_block_size": 16},
+], ids=["default", "chunked", "preemption", "async", "balanced"])
 def test_greedy_matches_transformers(arch, kwargs, tiny_ckpt, hf_greedy):
     path = tiny_ckpt(arch)
     llm = LLM(path, device="cpu", speculative_config=SPEC, **kwargs)

@@ -147,6 +147,19 @@ def test_scheduler_gives_drafts_their_rows_within_the_budget():
     assert a.token_ids[-1] == PLACEHOLDER and a.num_hashed_blocks == 0
 
 
+def test_drafts_never_preempt():
+    bm = BlockManager(2, 16, enable_prefix_caching=False)
+    sched = Scheduler(bm, 8, max_num_batched_tokens=64)
+    a, b = _decoding_seq(0, list(range(15)), [20]), _decoding_seq(1, list(range(10)), [21])
+    for s in (a, b):  # a fills its block with its last token; drafts would need a third block
+        bm.grow(s, s.num_computed_tokens + 1)
+        sched.running.append(s)
+    a.draft_ids = [1, 2, 3]
+    out = sched.schedule()
+    assert out.num_new_tokens == [1, 1] and out.num_drafts == [0, 0] and not out.preempted
+    assert build_step_batch(out, 16).sampling.drafts is None
+
+
 def test_accepted_drafts_is_the_leading_run_of_matches():
     sampled = torch.tensor([5, 6, 0, 9, 8, 3, 4])
     first = torch.tensor([0, 4, 6])

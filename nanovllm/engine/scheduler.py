@@ -40,9 +40,10 @@ directly); a sequence whose placeholder is its last allowed token is not schedul
 
 Speculative decoding (engine/spec/): a decoding sequence with k draft tokens (`Sequence.draft_ids`) wants 1 + k
 tokens: its last token and the drafts after it, as far as the budget allows (`SchedulerOutput.num_drafts`), with
-KV slots for all of them. Only the last real token counts as computed when the step is launched
-(`on_step_done`); the engine adds the accepted drafts once they are verified, and the rejected ones' slots are
-overwritten later. So a block is registered in the prefix cache only once every token in it is real.
+KV slots for all of them (if the free blocks don't cover the drafts, it verifies none: drafts never preempt).
+Only the last real token counts as computed when the step is launched (`on_step_done`); the engine adds the
+accepted drafts once they are verified, and the rejected ones' slots are overwritten later. So a block is
+registered in the prefix cache only once every token in it is real.
 """
 from __future__ import annotations
 
@@ -162,6 +163,8 @@ class Scheduler:
             drafts = 0
             if left == 1 and seq.draft_ids:  # decode: the drafts are verified after its last token, in this step
                 drafts = min(len(seq.draft_ids), budget - 1)
+                if not self.bm.can_grow(seq, seq.num_computed_tokens + 1 + drafts):
+                    drafts = 0  # drafts never cost a preemption
                 n += drafts
             target = seq.num_computed_tokens + n
             while not self.bm.can_grow(seq, target):
