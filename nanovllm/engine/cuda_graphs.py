@@ -8,9 +8,11 @@ Two kinds behind one class (`CUDAGraphs`):
   to 512, and for a small model's large prefill steps (1,024, 2,048, ... up to the token budget): forward to the
   hidden states of the step's logits rows; the LM head runs after the replay on those rows only.
 
-A step replays the smallest graph of its kind that fits. Its inputs are packed into the graph's own fixed
-`Layout` of one shared staging buffer (the graph reads them in place); rows past the step's are padding (slot -1,
-sequence length 0) that every kernel skips. All graphs share one memory pool, captured largest first.
+A step graph has a logits row for each of its sequences and, with speculative decoding, for each draft token a
+verification step can hold (engine/spec/). A step replays the smallest graph of its kind that fits. Its inputs are
+packed into the graph's own fixed `Layout` of one shared staging buffer (the graph reads them in place); rows past
+the step's are padding (slot -1, sequence length 0) that every kernel skips. All graphs share one memory pool,
+captured largest first.
 """
 from __future__ import annotations
 

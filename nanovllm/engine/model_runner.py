@@ -3,8 +3,9 @@ tokens: one rank's `Executor`.
 
     launch(batch): pack the inputs into one buffer, one host-to-device copy (engine/step_inputs.py)
                    -> replay a CUDA graph that fits (engine/cuda_graphs.py), or run the step eagerly
-                   -> logits of the step's logits rows -> Sampler -> sampled ids stay on the device (the next
-                      step's placeholder inputs read them) and are copied to pinned host memory
+                   -> logits of the step's logits rows -> Sampler (and the accepted draft tokens of a
+                      verification step) -> sampled ids stay on the device (the next step's placeholder inputs
+                      read them) and are copied to pinned host memory
     result():      wait for that copy -> StepResult
 """
 from __future__ import annotations
