@@ -103,8 +103,8 @@ def test_large_batch_does_not_speculate(tiny_ckpt):
     prompts = spec_prompts()
     params = [SamplingParams(temperature=0.0, max_tokens=4 + i) for i in range(len(prompts))]  # finish in turn
     llm.generate(prompts, params, use_tqdm=False)
-    running_from = len(prompts) - 8 + 1  # steps after which at most 8 are running: the (23 + i)-th output token
-    assert sum(drafts[:running_from]) == 0 and sum(drafts) > 0
+    # sequence i finishes after 4 + i tokens: more than 8 of the 31 run in the first 4 + 23 steps
+    assert sum(drafts[:4 + len(prompts) - 8]) == 0 and sum(drafts) > 0
 
 
 def test_triton_backend_under_interpreter(tiny_ckpt, hf_greedy):
@@ -252,3 +252,33 @@ def test_structured_outputs_ride_along(tiny_ckpt):
         outs = llm.generate(prompts, params, use_tqdm=False)
         assert _summary(outs) == _summary(base)
         assert accepted(llm) > 0
+
+
+def test_context_limit(tiny_ckpt):
+    """Generating up to max_model_len: the last verification steps are cut to the room left, never past it."""
+    path = tiny_ckpt("qwen3")
+    prompts = spec_prompts()[-14:]
+    params = SamplingParams(temperature=0.0, max_tokens=None)
+    base = LLM(path, device="cpu", max_model_len=64, kvcache_block_size=16).generate(prompts, params, use_tqdm=False)
+    llm = LLM(path, device="cpu", max_model_len=64, kvcache_block_size=16, speculative_config=SPEC)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert _summary(outs) == _summary(base)
+    assert all(len(p) + len(o["token_ids"]) == 64 and o["finish_reason"] == "length" for p, o in zip(prompts, outs))
+    assert accepted(llm) > 0
+
+
+def test_server_snapshot_has_the_counters(tiny_ckpt):
+    from nanovllm.config import EngineArgs
+    from nanovllm.engine.llm_engine import LLMEngine
+    from nanovllm.server.async_engine import AsyncEngine
+    from nanovllm.server.metrics import ServerMetrics
+    engine = LLMEngine(EngineArgs(model=tiny_ckpt("qwen3"), device="cpu", speculative_config=SPEC))
+    for i, p in enumerate(spec_prompts()[-6:]):
+        engine.add_request(str(i), p, GREEDY)
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = AsyncEngine(engine, start=False)._snapshot()
+    assert stats["spec"] == engine.spec_metrics and stats["spec"]["num_accepted_tokens"] > 0
+    text = ServerMetrics().render(stats, "m")
+    n = stats["spec"]["num_accepted_tokens"]
+    assert f'nanovllm:spec_decode_num_accepted_tokens_total{{model_name="m"}} {n}' in text
