@@ -4,11 +4,11 @@
 
 `--workload copy --batch B` measures speculative decoding where it pays: greedy answers that copy their prompt
 (benchmarks/train_tiny.py's copy prompts, on the model that script trains), B requests at a time (max_num_seqs),
-4 B requests in all; compare runs with and without `--speculative-config '{"method": "ngram", ...}'`:
+max(4 B, 16) requests in all; compare runs with and without `--speculative-config '{"method": "ngram", ...}'`:
 
     python benchmarks/train_tiny.py /tmp/copy-model
     python benchmarks/bench_offline.py --model /tmp/copy-model --workload copy --batch 1 \
-        --speculative-config '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4}'
+        --speculative-config '{"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 4}'
 
 Prints output tok/s, total time, achieved memory bandwidth (weights once per step + every scheduled
 sequence's KV), peak GPU memory and the startup breakdown, and on NVIDIA GPUs the run's energy, average power
@@ -94,7 +94,8 @@ def main(argv=None) -> dict:
                     help="reference: random prompts, temperature 0.6; copy: greedy answers that copy the prompt "
                          "(train_tiny.copy_prompts), for speculative decoding")
     ap.add_argument("--batch", type=int, default=None,
-                    help="copy workload: requests at a time (max_num_seqs; default 256); --num-seqs defaults to 4x it")
+                    help="copy workload: requests at a time (max_num_seqs; default 256); --num-seqs defaults to "
+                         "max(4x it, 16)")
     ap.add_argument("--num-seqs", type=int, default=None, help="requests (default: 256 for the reference workload)")
     ap.add_argument("--max-input-len", type=int, default=None, help="default: 1024 (reference), 400 (copy)")
     ap.add_argument("--max-output-len", type=int, default=None, help="default: 1024 (reference), 200 (copy: every "
@@ -114,7 +115,7 @@ def main(argv=None) -> dict:
         kwargs.setdefault("max_num_seqs", batch)
         kwargs["max_model_len"] = min(kwargs["max_model_len"], train_tiny.SEQ_LEN)  # the lengths it was trained on
         out_len = ns.max_output_len or 200
-        prompts = train_tiny.copy_prompts(ns.num_seqs or 4 * batch, seed=0, max_len=ns.max_input_len or 400)
+        prompts = train_tiny.copy_prompts(ns.num_seqs or max(4 * batch, 16), seed=0, max_len=ns.max_input_len or 400)
         max_tokens = [out_len] * len(prompts)
         params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m) for m in max_tokens]
     else:

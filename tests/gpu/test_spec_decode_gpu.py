@@ -63,7 +63,7 @@ def test_copy_model_bf16(trained_ckpt, capsys):
 
     prompts = train_tiny.copy_prompts(32, seed=1, max_len=400)
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
-    kw = dict(dtype="bfloat16", max_model_len=640, gpu_memory_utilization=0.3)
+    kw = dict(dtype="bfloat16", max_model_len=640, gpu_memory_utilization=0.3, max_num_seqs=8)  # (<= 14 = 128 // 9)
     plain, _, _ = _run(trained_ckpt, prompts, params, **kw)
     spec_cfg = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     spec, metrics, _ = _run(trained_ckpt, prompts, params, speculative_config=spec_cfg, **kw)
