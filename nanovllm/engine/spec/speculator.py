@@ -39,10 +39,11 @@ MAX_BACKOFF_STEPS = 32
 class SpecState:
     """The speculator's view of one sequence (`Sequence.spec`)."""
     max_drafts: int                    # drafts it gets next time (adaptive, <= k)
-    history: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))  # its tokens, copied as
-    length: int = 0                    # they arrive: history[:length] == token_ids[:length]
+    # its tokens as the proposer reads them, copied as they arrive: history[:length] == token_ids[:length]
+    history: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
+    length: int = 0
     misses: int = 0                    # consecutive attempts without an accepted draft
-    next_try: int = 0                  # the step from which it may be proposed for again
+    next_try: int = 0                  # the step (Speculator.clock) from which it is due again
 
 
 class Speculator:
@@ -126,4 +127,4 @@ class Speculator:
 
     def _miss(self, st: SpecState) -> None:
         st.misses += 1
-        st.next_try = self.clock + min(2 ** st.misses, MAX_BACKOFF_STEPS)
+        st.next_try = self.clock + min(1 << min(st.misses, 30), MAX_BACKOFF_STEPS)
