@@ -64,6 +64,10 @@ def test_cli_flag_parses_json():
     ns = build_parser().parse_args(["generate", "--speculative-config",
                                     '{"method": "ngram", "num_speculative_tokens": 4}'])
     assert engine_kwargs(ns)["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 4}
+    ns = build_parser().parse_args(["serve", "some/model", "--speculative-config",
+                                    '{"method": "ngram", "num_speculative_tokens": 2}'])
+    from nanovllm.server.cli import server_engine_args
+    assert server_engine_args(ns).speculative_config == {"method": "ngram", "num_speculative_tokens": 2}
     for bad in ("{not json", "[1, 2]"):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["generate", "--speculative-config", bad])
