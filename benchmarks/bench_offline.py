@@ -6,6 +6,14 @@
 --workload prefill-heavy runs 64 prompts of 6,000-8,000 tokens with 64-256 output tokens instead (workload.py;
 max_model_len 8,256 unless given) and reports prompt, output and total tok/s.
 
+`--workload copy --batch B` measures speculative decoding where it pays: greedy answers that copy their prompt
+(benchmarks/train_tiny.py's copy prompts, on the model that script trains), B requests at a time (max_num_seqs),
+max(4 B, 16) requests in all; compare runs with and without `--speculative-config '{"method": "ngram", ...}'`:
+
+    python benchmarks/train_tiny.py /tmp/copy-model
+    python benchmarks/bench_offline.py --model /tmp/copy-model --workload copy --batch 1 \
+        --speculative-config '{"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 4}'
+
 Prints output tok/s, total time, achieved memory bandwidth (the weights each step reads + every scheduled
 sequence's KV; over the run, and over the pure decode steps), peak GPU memory and the startup breakdown, and on
 NVIDIA GPUs the run's energy, average power and median SM clock (an 8B run on one H200 runs at its 700 W cap, so
@@ -100,12 +108,17 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True,
                     help="checkpoint dir, or a dir with only config.json (--load-format dummy)")
-    ap.add_argument("--workload", choices=("reference", "prefill-heavy"), default="reference",
-                    help="reference: 256 prompts of 100-1024 tokens (default); prefill-heavy: 64 prompts of 6-8k "
-                         "tokens with 64-256 output tokens")
+    ap.add_argument("--workload", choices=("reference", "prefill-heavy", "copy"), default="reference",
+                    help="reference: 256 prompts of 100-1024 tokens, temperature 0.6 (default); prefill-heavy: 64 "
+                         "prompts of 6-8k tokens with 64-256 output tokens; copy: greedy answers that copy the prompt "
+                         "(train_tiny.copy_prompts), for speculative decoding")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="copy workload: requests at a time (max_num_seqs; default 256); --num-seqs defaults to "
+                         "max(4x it, 16)")
     ap.add_argument("--num-seqs", type=int, default=None, help="requests (default: the workload's, 256 or 64)")
-    ap.add_argument("--max-input-len", type=int, default=None, help="reference workload: longest prompt (1024)")
-    ap.add_argument("--max-output-len", type=int, default=None, help="reference workload: longest output (1024)")
+    ap.add_argument("--max-input-len", type=int, default=None, help="default: 1024 (reference), 400 (copy)")
+    ap.add_argument("--max-output-len", type=int, default=None, help="default: 1024 (reference), 200 (copy: every "
+                                                                       "request generates this many)")
     ap.add_argument("--json", default=None, help="append the result as a JSON line to this file")
     ap.add_argument("--label", default="", help="a free-form label stored in the JSON line")
     ap.add_argument("--step-log", default=None, help="write per-step timings (JSON) here and print a summary")
@@ -120,11 +133,22 @@ def main(argv=None) -> dict:
                      "lengths (workload.PREFILL_HEAVY)")
         kwargs = {"max_model_len": PREFILL_HEAVY_MAX_MODEL_LEN, **engine_kwargs(ns)}
         prompts, max_tokens = prefill_heavy_workload(*(() if ns.num_seqs is None else (ns.num_seqs,)))
+        params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
+    elif ns.workload == "copy":
+        import train_tiny  # (benchmarks/)
+        kwargs = {"max_model_len": 4096, **engine_kwargs(ns)}
+        batch = ns.batch or 256
+        kwargs.setdefault("max_num_seqs", batch)
+        kwargs["max_model_len"] = min(kwargs["max_model_len"], train_tiny.SEQ_LEN)  # the lengths it was trained on
+        out_len = ns.max_output_len or 200
+        prompts = train_tiny.copy_prompts(ns.num_seqs or max(4 * batch, 16), seed=0, max_len=ns.max_input_len or 400)
+        max_tokens = [out_len] * len(prompts)
+        params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m) for m in max_tokens]
     else:
         kwargs = {"max_model_len": 4096, **engine_kwargs(ns)}
         prompts, max_tokens = offline_workload(*(d if v is None else v for v, d in (
             (ns.num_seqs, 256), (ns.max_input_len, 1024), (ns.max_output_len, 1024))))
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
+        params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
 
     cuda = torch.cuda.is_available() and kwargs.get("device", "auto") != "cpu"
     timing_dir = None
@@ -188,6 +212,12 @@ def main(argv=None) -> dict:
         "kv_blocks": eng.block_manager.num_blocks, "preemptions": eng.scheduler.num_preemptions,
         "async_scheduling": eng.async_scheduling,
     }
+    if eng.spec_metrics is not None:
+        spec = eng.spec_metrics
+        res["spec_decode"] = {k: round(v, 3) for k, v in spec.items()}
+        print(f"speculative decoding: {spec['num_accepted_tokens']} of {spec['num_draft_tokens']} draft tokens "
+              f"accepted in {spec['num_drafts']} verifications, mean acceptance length "
+              f"{spec['mean_acceptance_length']:.2f}")
     if power is not None:
         res.update(power.summary())
         res["J_per_output_token"] = round(res["energy_J"] / n_out, 4)

@@ -37,7 +37,21 @@ _HELP = {
                     "block-FP8 checkpoints such as Qwen3-*-FP8 load as they are)",
     "kv_cache_dtype": "'auto' (default: the model dtype) or 'fp8' / 'fp8_e4m3': e4m3 K/V with a float32 scale per "
                       "token and KV head (about 1.9x the tokens per GiB)",
+    "speculative_config": "speculative decoding as JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                          "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (default: none)",
 }
+
+
+def json_object(text: str) -> dict:
+    """A flag's JSON object value (argparse type): anything else is an error naming the flag's value."""
+    import json
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -66,6 +80,8 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("m
             typ = {int: int, float: float}.get(type(default), str)
             if f.name in ("max_model_len", "max_num_batched_tokens", "num_kvcache_blocks"):
                 typ = int
+            if str(f.type).startswith("dict"):
+                typ = json_object
             group.add_argument(flag, type=typ, default=None, help=text)
 
 
@@ -129,8 +145,11 @@ def _generate(ns: argparse.Namespace) -> int:
                                     sorted(pos.values(), key=lambda lp: lp.rank))
                     print(f"    {pos[tok].decoded_token!r} rank {pos[tok].rank}: {top}")
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    spec = llm.engine.spec_metrics
     print(f"[nanovllm] {len(outs)} requests, {tokens} tokens in {seconds:.2f}s, "
-          f"{tokens / max(seconds, 1e-9):.1f} tok/s")
+          f"{tokens / max(seconds, 1e-9):.1f} tok/s"
+          + (f", {spec['num_accepted_tokens']}/{spec['num_draft_tokens']} draft tokens accepted (mean acceptance "
+             f"length {spec['mean_acceptance_length']:.2f})" if spec else ""))
     return 0
 
 

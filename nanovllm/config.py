@@ -50,6 +50,7 @@ class EngineArgs:
     trust_remote_code: bool = False        # accepted for vLLM scripts; no remote code ever runs
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
+    speculative_config: dict | None = None  # speculative decoding (vLLM's dict; see SpeculativeConfig)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> EngineArgs:
@@ -111,9 +112,78 @@ class EngineArgs:
              "None or " + " or ".join(map(repr, QUANTIZATION_METHODS)))
         need("kv_cache_dtype", self.kv_cache_dtype == "auto" or self.kv_cache_dtype in KV_CACHE_DTYPES,
              "'auto', " + " or ".join(map(repr, KV_CACHE_DTYPES)))
+        SpeculativeConfig.from_dict(self.speculative_config)  # raises on a bad key or value
 
 
 SCHEDULING_POLICIES = ("fcfs", "balanced")  # see nanovllm.engine.scheduler
+SPECULATIVE_METHODS = ("ngram",)  # see nanovllm.engine.spec
+# A verification step of the default size fits the smallest mixed-step CUDA graph (engine/cuda_graphs.py): with k
+# draft tokens, speculation runs while at most SPEC_MAX_STEP_TOKENS // (1 + k) sequences are running (vLLM's
+# disable_by_batch_size), so a step verifies at most this many tokens. Up to about this many rows a forward pass
+# of a model on an H200 costs what one row does (it is bound by reading the weights), so the drafts ride for free.
+SPEC_MAX_STEP_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, validated from vLLM's `speculative_config` dict (engine/spec/ has the design).
+
+    method: "ngram" (prompt lookup: drafts copied from the sequence's own tokens). num_speculative_tokens: k, the
+    most draft tokens a sequence verifies per step. prompt_lookup_max / prompt_lookup_min: the longest / shortest
+    n-gram matched (vLLM's defaults: both 5 when neither is given, else the one given for both).
+    disable_by_batch_size: no speculation in a step with more than this many running sequences (default
+    SPEC_MAX_STEP_TOKENS // (1 + k)): a large batch is bound by compute, where drafts cost what they save."""
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+    disable_by_batch_size: int
+
+    KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """The most draft tokens one step can verify (every speculating sequence with k drafts)."""
+        return self.disable_by_batch_size * self.num_speculative_tokens
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> SpeculativeConfig | None:
+        """Validate vLLM's dict; None stays None. A bad key or value is a ValueError (TypeError: not a dict)."""
+        if d is None:
+            return None
+        if not isinstance(d, dict):
+            raise TypeError(f"speculative_config must be a dict (or None), got {type(d).__name__} {d!r}")
+        unknown = sorted(set(map(str, d)) - set(cls.KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config has unknown key(s) {', '.join(map(repr, unknown))}; supported: "
+                             f"{', '.join(cls.KEYS)}")
+        method = d.get("method")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config['method'] must be one of {', '.join(map(repr, SPECULATIVE_METHODS))}"
+                             f" (the supported methods), got {method!r}")
+
+        def int_value(key, required=False):
+            v = d.get(key)
+            if v is None:
+                if required:
+                    raise ValueError(f"speculative_config needs {key!r} (an int >= 1)")
+                return None
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"speculative_config[{key!r}] must be an int >= 1, got {v!r}")
+            return v
+
+        k = int_value("num_speculative_tokens", required=True)
+        lo, hi = int_value("prompt_lookup_min"), int_value("prompt_lookup_max")
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+        if lo > hi:
+            raise ValueError(f"speculative_config['prompt_lookup_min'] ({lo}) must be <= prompt_lookup_max ({hi})")
+        batch = int_value("disable_by_batch_size")
+        if batch is None:
+            batch = max(1, SPEC_MAX_STEP_TOKENS // (1 + k))
+        return cls(method=method, num_speculative_tokens=k, prompt_lookup_max=hi, prompt_lookup_min=lo,
+                   disable_by_batch_size=batch)
 
 
 def resolve_device(args: EngineArgs) -> torch.device:
@@ -344,6 +414,7 @@ class EngineConfig:
     def cache_dtype(self) -> torch.dtype:
         """The KV cache's element type: float8_e4m3fn (with per-(token, head) scales), or the model dtype."""
         return self.dtype if self.kv_cache_dtype is None else self.kv_cache_dtype
+    speculative: SpeculativeConfig | None = None
 
     @classmethod
     def resolve(cls, args: EngineArgs) -> EngineConfig:
@@ -409,4 +480,4 @@ class EngineConfig:
                    max_model_len=max_model_len, max_num_batched_tokens=max_batched,
                    max_num_seqs=max_num_seqs, block_size=args.kvcache_block_size, attention_backend=backend,
                    async_scheduling=async_sched, scheduling_policy=policy, quantization=quant,
-                   kv_cache_dtype=kv_dtype)
+                   kv_cache_dtype=kv_dtype, speculative=SpeculativeConfig.from_dict(args.speculative_config))

@@ -31,6 +31,16 @@ def test_bench_offline_small_workload(tiny_ckpt, tmp_path, capsys):
     assert "output tok/s" in capsys.readouterr().out
 
 
+def test_bench_offline_copy_workload_with_speculation(tiny_ckpt, capsys):
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 3}'
+    res = bench_offline.main(["--model", tiny_ckpt("qwen3"), "--workload", "copy", "--batch", "2", "--num-seqs", "3",
+                              "--max-input-len", "60", "--max-output-len", "12", "--device", "cpu",
+                              "--speculative-config", spec])
+    assert res["workload"] == "copy" and res["requests"] == 3 and res["output_tokens"] == 3 * 12
+    assert res["engine_args"]["max_num_seqs"] == 2 and res["spec_decode"]["num_drafts"] >= 0
+    assert "mean acceptance length" in capsys.readouterr().out
+
+
 class FakeGPU:
     def __init__(self, joules_per_read, mhz):
         self.mj, self.step, self.mhz = 0, joules_per_read * 1000, mhz

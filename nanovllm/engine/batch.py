@@ -37,6 +37,21 @@ class FeatureBatch:
 
 
 @dataclass
+class DraftBatch:
+    """Speculative decoding: the sequences of the step that verify draft tokens. Sequence i has 1 + num_drafts[i]
+    consecutive logits rows from first_rows[i]: row first_rows[i] + j samples the token after draft j - 1 (after its
+    last real token for j = 0), and draft j is accepted iff every draft before it was and row first_rows[i] + j
+    sampled it (layers/sampler.py `accepted_drafts`)."""
+    first_rows: list[int] = field(default_factory=list)
+    num_drafts: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)   # (N, max num_drafts) row-major, padded with -1
+
+    @property
+    def width(self) -> int:
+        return max(self.num_drafts, default=0)
+
+
+@dataclass
 class SamplingBatch:
     """Sampling parameters of the step's logits rows, row by row."""
     temperatures: list[float] = field(default_factory=list)
@@ -51,6 +66,7 @@ class SamplingBatch:
     # some row's token mask (structured outputs) or bans (multi-token bad words) depend on the previous step's
     # tokens: the runner stops before sampling until the engine hands them over (PendingStep.sample)
     deferred: bool = False
+    drafts: DraftBatch | None = None  # None: no sequence verifies draft tokens
 
 
 @dataclass
@@ -63,8 +79,8 @@ class StepBatch:
     block_tables: list[list[int]]  # (B, *) ragged
     max_seqlen_q: int
     # token rows (indices into T) whose logits are computed and sampled, in order, and the sequence (index into
-    # B) of each. Today one row per sampling sequence, its last; a sequence verifying k draft tokens would have
-    # 1 + k consecutive rows. `sampling` has one entry per row.
+    # B) of each: one row per sampling sequence, its last, or 1 + k consecutive rows for a sequence verifying k
+    # draft tokens (SamplingBatch.drafts). `sampling` has one entry per row.
     logits_indices: list[int]
     logits_seqs: list[int]
     sampling: SamplingBatch
@@ -139,6 +155,20 @@ def _add_features(fb: FeatureBatch, row: int, seq) -> None:
         fb.bias_values.extend(v for _, v in entries)
 
 
+def _add_draft_rows(sb: SamplingBatch, db: DraftBatch, row: int, seq, k: int) -> None:
+    """Sampling parameters of the 1 + k logits rows from `row` of a sequence verifying k drafts."""
+    p, n = seq.params, k + 1
+    db.first_rows.append(row)
+    db.num_drafts.append(k)
+    sb.temperatures.extend([float(p.temperature)] * n)
+    sb.top_ks.extend([p.top_k] * n)
+    sb.top_ps.extend([float(p.top_p)] * n)
+    sb.min_ps.extend([float(p.min_p)] * n)
+    sb.seeds.extend([seq.noise_seed] * n)
+    sb.steps.extend(range(seq.num_output_tokens, seq.num_output_tokens + n))
+    sb.logprobs.extend([p.logprobs] * n)
+
+
 def build_step_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
     input_ids: list[int] = []
     positions: list[int] = []
@@ -152,16 +182,21 @@ def build_step_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
     ph_pos: list[int] = []
     ph_rows: list[int] = []
     fb = FeatureBatch()
+    db = DraftBatch()
     plp_rows: list[int] = []
     plp_targets: list[int] = []
     plp_seqs: list[int] = []
     plp_k = 0
-    for b, (seq, n) in enumerate(zip(out.seqs, out.num_new_tokens)):
+    num_drafts = out.num_drafts or [0] * len(out.seqs)
+    for b, (seq, n, k) in enumerate(zip(out.seqs, out.num_new_tokens, num_drafts)):
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-        if seq.token_ids[end - 1] == PLACEHOLDER:  # only ever the last token, sampled by the step in flight
-            ph_pos.append(len(input_ids) + n - 1)
+        real_end = end - k  # then k draft tokens
+        if seq.token_ids[real_end - 1] == PLACEHOLDER:  # only ever the last token, sampled by the step in flight
+            ph_pos.append(len(input_ids) + n - k - 1)
             ph_rows.append(seq.pending_row)
-        input_ids.extend(seq.token_ids[start:end])
+        input_ids.extend(seq.token_ids[start:real_end])
+        if k:
+            input_ids.extend(seq.draft_ids[:k])
         positions.extend(range(start, end))
         table = seq.block_table
         pos = start
@@ -181,26 +216,38 @@ def build_step_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
         cu.append(cu[-1] + n)
         seq_lens.append(end)
         tables.append(table)
-        if end == seq.num_tokens:
+        if real_end == seq.num_tokens:
             row = len(logits_indices)
-            logits_indices.append(cu[-1] - 1)
-            logits_seqs.append(b)
             p = seq.params
             step = seq.num_output_tokens
-            sb.temperatures.append(float(p.temperature))
-            sb.top_ks.append(p.top_k)
-            sb.top_ps.append(float(p.top_p))
-            sb.min_ps.append(float(p.min_p))
-            sb.seeds.append(seq.noise_seed)
-            sb.steps.append(step)
-            sb.logprobs.append(p.logprobs)
-            if step < p.min_tokens:
-                sb.banned.extend((row, t) for t in seq.stop_ids)
+            if not k:  # one logits row: its last token's
+                logits_indices.append(cu[-1] - 1)
+                logits_seqs.append(b)
+                sb.temperatures.append(float(p.temperature))
+                sb.top_ks.append(p.top_k)
+                sb.top_ps.append(float(p.top_p))
+                sb.min_ps.append(float(p.min_p))
+                sb.seeds.append(seq.noise_seed)
+                sb.steps.append(step)
+                sb.logprobs.append(p.logprobs)
+            else:  # its last real token's row, then one per draft: row j samples output position step + j
+                logits_indices.extend(range(cu[-1] - 1 - k, cu[-1]))
+                logits_seqs.extend([b] * (k + 1))
+                _add_draft_rows(sb, db, row, seq, k)
+            if step < p.min_tokens:  # stop ids held back in the rows sampling positions below min_tokens
+                for j in range(min(k + 1, p.min_tokens - step)):
+                    sb.banned.extend((row + j, t) for t in seq.stop_ids)
             if seq.sampler_slot is not None:
-                _add_features(fb, row, seq)
+                for j in range(k + 1):
+                    _add_features(fb, row + j, seq)
             sb.deferred |= seq.deferred_sampling
     if fb.rows:
         sb.features = fb
+    if db.first_rows:
+        w = db.width
+        for i, k in zip(db.first_rows, db.num_drafts):
+            db.tokens.extend(out.seqs[logits_seqs[i]].draft_ids[:k] + [-1] * (w - k))
+        sb.drafts = db
     return StepBatch(input_ids=input_ids, positions=positions, slot_mapping=slots, cu_seqlens_q=cu,
                      seq_lens=seq_lens, block_tables=tables, max_seqlen_q=max(out.num_new_tokens, default=0),
                      logits_indices=logits_indices, logits_seqs=logits_seqs, sampling=sb,

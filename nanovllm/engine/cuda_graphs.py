@@ -8,9 +8,11 @@ Two kinds behind one class (`CUDAGraphs`):
   to 512, and for a small model's large prefill steps (1,024, 2,048, ... up to the token budget): forward to the
   hidden states of the step's logits rows; the LM head runs after the replay on those rows only.
 
-A step replays the smallest graph of its kind that fits. Its inputs are packed into the graph's own fixed
-`Layout` of one shared staging buffer (the graph reads them in place); rows past the step's are padding (slot -1,
-sequence length 0) that every kernel skips. All graphs share one memory pool, captured largest first.
+A step graph has a logits row for each of its sequences and, with speculative decoding, for each draft token a
+verification step can hold (engine/spec/). A step replays the smallest graph of its kind that fits. Its inputs are
+packed into the graph's own fixed `Layout` of one shared staging buffer (the graph reads them in place); rows past
+the step's are padding (slot -1, sequence length 0) that every kernel skips. All graphs share one memory pool,
+captured largest first.
 """
 from __future__ import annotations
 
@@ -89,11 +91,14 @@ class CUDAGraphs:
         self.device = device
         self._decode_forward, self._step_forward = decode_forward, step_forward
         seqs = config.max_num_seqs
+        # logits rows beyond one per sequence: speculative decoding's draft rows (1 + k per verifying sequence)
+        drafts = config.speculative.max_draft_tokens if config.speculative is not None else 0
         self.decode: dict[int, _Graph] = {}
         self.step: dict[int, _Graph] = {}
-        # a step graph of R rows: up to min(R, max_num_seqs) sequences, each of which may have a logits row
+        # a step graph of R rows: up to min(R, max_num_seqs) sequences, each of which may have a logits row, and the
+        # draft rows of a verification step
         self._layouts = {("decode", b): Layout.make(b, b, self.width, b) for b in self.decode_sizes}
-        self._layouts.update({("step", r): Layout.make(r, min(r, seqs), self.width, min(r, seqs))
+        self._layouts.update({("step", r): Layout.make(r, min(r, seqs), self.width, min(r, seqs + drafts))
                               for r in self.step_sizes})
         self.buffer: torch.Tensor | None = None
         # decode graphs' query offsets: one query per sequence, padding included (0, 1, ..., B)
@@ -130,7 +135,9 @@ class CUDAGraphs:
         if batch.is_decode and self.decode and batch.num_seqs <= self.decode_sizes[-1]:
             return "decode", self.decode_sizes[bisect.bisect_left(self.decode_sizes, batch.num_seqs)]
         if batch.num_logits and self.step and batch.num_tokens <= self.step_sizes[-1]:
-            return "step", self.step_sizes[bisect.bisect_left(self.step_sizes, batch.num_tokens)]
+            key = "step", self.step_sizes[bisect.bisect_left(self.step_sizes, batch.num_tokens)]
+            if batch.num_logits <= self._layouts[key].S:
+                return key
         return None
 
     def layout(self, key: tuple[str, int]) -> Layout:

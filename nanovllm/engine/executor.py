@@ -16,6 +16,8 @@ class StepResult:
     ranks: list[int] | None = None           # its 1-based rank
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    # speculative decoding: accepted draft tokens of each verifying sequence (SamplingBatch.drafts order)
+    num_accepted: list[int] | None = None
     # prompt_logprobs: per StepBatch.prompt_lp_rows row, the next prompt token's, its rank, the top tokens
     prompt_logprobs: list[float] | None = None
     prompt_ranks: list[int] | None = None

@@ -26,6 +26,7 @@ from nanovllm.engine.output import StepOutput
 from nanovllm.engine.sampling_features import RequestFeatures, SlotAllocator, late_inputs, request_features
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.spec.speculator import Speculator
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,8 @@ class LLMEngine:
         self.requests: dict[str, list[Sequence]] = {}   # request id -> its samples
         self.slots = SlotAllocator()
         self._structured = None  # StructuredOutputs, built at the first structured request
+        self.speculator = Speculator(self.config.speculative, self.config.max_model_len) \
+            if self.config.speculative is not None else None
         # async scheduling: the launched step whose tokens are not read yet, with its (seq, row) pairs
         self._inflight: tuple | None = None
         self.async_scheduling = self.config.async_scheduling
@@ -222,13 +225,30 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    @property
+    def spec_metrics(self) -> dict | None:
+        """Speculative decoding's counters (None without it): sequence-steps with drafts, draft tokens verified,
+        drafts accepted, and the mean acceptance length (tokens per sequence per verification step)."""
+        s = self.speculator
+        if s is None:
+            return None
+        return {"num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
+                "num_accepted_tokens": s.num_accepted_tokens, "mean_acceptance_length": s.mean_acceptance_length}
+
     # --- one step ----------------------------------------------------------------------------------
     def step(self) -> tuple[list[StepOutput], int, int]:
         """Schedule and launch one step, and process the tokens of the step before it (async scheduling)
-        or of this one (otherwise).
+        or of this one (otherwise). A step with draft tokens (speculative decoding) is scheduled after the step
+        before it is read (its drafts start from that step's tokens) and runs synchronously (engine/spec/).
 
-        Returns (outputs, prompt tokens launched, tokens sampled by the processed step). Outputs hold every
+        Returns (outputs, prompt tokens launched, tokens sampled by the processed steps). Outputs hold every
         request that finished and every streamed request that made progress."""
+        outputs, num_sampled = [], 0
+        drafted: list[Sequence] = []
+        if self.speculator is not None and self.speculator.wants_drafts(self.scheduler.running):
+            outputs, num_sampled = self._resolve_inflight()
+            drafted = self.speculator.propose(self.scheduler.running)
+        sync = not self.async_scheduling or bool(drafted)
         sched = self.scheduler.schedule()
         launched = None
         num_prefill = 0
@@ -236,43 +256,57 @@ class LLMEngine:
             self.slots.assign(sched.seqs, sched.num_new_tokens)
             batch = build_step_batch(sched, self.config.block_size)
             # prompt tokens (or tokens recomputed after a preemption) this step computes: all but the decode rows
-            # whose token is an output token
-            num_prefill = sched.num_tokens - sum(1 for s in sched.seqs[:sched.num_decode] if s.num_output_tokens)
+            # whose token is an output token and the rows verifying drafts
+            num_prefill = sum(n for i, (s, n, k) in enumerate(zip(sched.seqs, sched.num_new_tokens, sched.num_drafts))
+                              if not k and not (i < sched.num_decode and s.num_output_tokens))
             deferred = batch.sampling.deferred
             # a deferred step stops before sampling: its masks / bans are filled below, once the tokens before it
             # are known (engine/structured.py)
-            handle = self.runner.launch(batch) if self.async_scheduling or deferred else self.runner.execute(batch)
+            handle = self.runner.execute(batch) if sync and not deferred else self.runner.launch(batch)
             launched = (handle, sched, batch)
-        outputs, num_sampled = [], 0
+        for seq in drafted:  # the batch holds the drafts the scheduler took
+            seq.draft_ids = []
         if self._inflight is not None:  # the previous step's tokens (its successor is already queued)
-            prev_handle, prev_pending, prev_batch = self._inflight
-            outputs, num_sampled = self._resolve(prev_handle.result(), prev_pending, prev_batch)
-            self._inflight = None
+            more, n = self._resolve_inflight()
+            outputs, num_sampled = outputs + more, num_sampled + n
         if launched is not None:
             handle, sched, batch = launched
             pending = self.scheduler.on_step_done(sched)
             if batch.sampling.deferred:
                 handle.sample(late_inputs(pending, self._structured))
-            if self.async_scheduling:
+            if not sync:
                 self._inflight = (handle, pending, (batch, sched.seqs))
             else:
                 result = handle.result() if batch.sampling.deferred else handle  # execute() gave the result itself
-                outputs, num_sampled = self._resolve(result, pending, (batch, sched.seqs))
+                more, n = self._resolve(result, pending, (batch, sched.seqs))
+                outputs, num_sampled = outputs + more, num_sampled + n
         elif self.scheduler.has_unfinished() and not outputs and not num_sampled:
             raise RuntimeError("scheduler made no progress with requests pending (KV cache too small?)")
         self.num_prompt_tokens += num_prefill
         self.num_generation_tokens += num_sampled
         return outputs, num_prefill, num_sampled
 
+    def _resolve_inflight(self) -> tuple[list[StepOutput], int]:
+        if self._inflight is None:
+            return [], 0
+        handle, pending, step = self._inflight
+        self._inflight = None
+        return self._resolve(handle.result(), pending, step)
+
     def _resolve(self, result, pending: list[tuple[Sequence, int]], step) -> tuple[list[StepOutput], int]:
-        """Put a step's sampled tokens in place of its placeholders, then check each sequence for a stop.
-        `step`: (the StepBatch, its sequences), for the prompt log-probabilities it computed."""
+        """Put a step's sampled tokens in place of its placeholders, then check each sequence for a stop. A sequence
+        that verified drafts gets the accepted ones and one more token, checked one at a time; the accepted drafts
+        count as computed (their K/V is in the cache). `step`: (the StepBatch, its sequences), for the prompt
+        log-probabilities it computed. Returns the outputs and the number of tokens emitted."""
         now = time.monotonic()
         batch, seqs = step
         if batch.prompt_lp_rows:
             self._record_prompt_logprobs(result, batch, seqs)
+        db = batch.sampling.drafts
+        verified = {} if db is None else dict(zip(db.first_rows, zip(db.num_drafts, result.num_accepted)))
         outputs = []
         broke = self._advance_matchers(result, pending)
+        emitted = 0
         for seq, row in pending:
             if seq.is_finished:  # aborted while its step was in flight
                 continue
@@ -281,22 +315,28 @@ class LLMEngine:
             seq.pending_row = None
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            if seq.logprobs is not None:
-                k = seq.params.logprobs
-                seq.logprobs.append(_entry(tok, result.logprobs[row], result.ranks[row],
-                                           result.top_ids[row][:k] if k else (), result.top_logprobs[row][:k] if k
-                                           else ()))
-            reason = self._check_stop(seq, tok)
-            if reason is None and seq.seq_id in broke:
-                logger.warning("request %s: token %d breaks its grammar; finishing it", seq.request_id, tok)
-                reason = "abort"
+            emitted += 1
+            reason = self._accept_token(seq, tok, result, row, seq.seq_id not in broke)
+            if verified and row in verified:  # the accepted drafts, then the token after them
+                num_drafts, accepted = verified[row]
+                self.speculator.record(seq, num_drafts, accepted)
+                i = 0
+                while reason is None and i < accepted:
+                    i += 1
+                    tok = result.token_ids[row + i]
+                    seq.append_token(tok)
+                    emitted += 1
+                    reason = self._accept_token(seq, tok, result, row + i)
+                if reason is None and accepted:  # their K/V stays; blocks holding them can be registered now
+                    seq.num_computed_tokens += accepted
+                    self.block_manager.register_full_blocks(seq)
             if reason is not None:
                 self._finish(seq, reason)
                 if all(s.is_finished for s in self.requests.get(seq.request_id, ())):
                     self.requests.pop(seq.request_id, None)
             if seq.is_finished or seq.stream:
                 outputs.append(self._make_output(seq, now))
-        return outputs, len(pending)
+        return outputs, emitted
 
     def _advance_matchers(self, result, pending: list[tuple[Sequence, int]]) -> set[int]:
         """Advance the grammar matchers of a step's constrained sequences with their tokens, in one batched call
@@ -321,8 +361,16 @@ class LLMEngine:
                 result.prompt_top_ids[i][:want] if k and want else (),
                 result.prompt_top_logprobs[i][:want] if k and want else ()))
 
-    def _check_stop(self, seq: Sequence, tok: int) -> str | None:
+    def _accept_token(self, seq: Sequence, tok: int, result, row: int, grammar_ok: bool = True) -> str | None:
+        """A new output token (row `row` of the step's result): record its logprobs, check for a stop and whether it
+        kept its grammar (`grammar_ok`: the matcher has already advanced, see `_advance_matchers`; a constrained
+        sequence never verifies drafts). Returns the reason to finish, if any."""
         p = seq.params
+        if seq.logprobs is not None:
+            k = p.logprobs
+            seq.logprobs.append(_entry(tok, result.logprobs[row], result.ranks[row],
+                                       result.top_ids[row][:k] if k else (), result.top_logprobs[row][:k] if k
+                                       else ()))
         n_out = seq.num_output_tokens
         if tok in seq.stop_ids and n_out >= p.min_tokens:
             # vLLM's convention: stop_reason is the token id for stop_token_ids, None for EOS
@@ -339,6 +387,9 @@ class LLMEngine:
                     return "stop"
         if n_out >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return "length"
+        if not grammar_ok:
+            logger.warning("request %s: token %d breaks its grammar; finishing it", seq.request_id, tok)
+            return "abort"
         return None
 
     def _make_output(self, seq: Sequence, now: float) -> StepOutput:

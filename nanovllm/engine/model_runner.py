@@ -3,8 +3,9 @@ tokens: one rank's `Executor`.
 
     launch(batch): pack the inputs into one buffer, one host-to-device copy (engine/step_inputs.py)
                    -> replay a CUDA graph that fits (engine/cuda_graphs.py), or run the step eagerly
-                   -> logits of the step's logits rows -> Sampler -> sampled ids stay on the device (the next
-                      step's placeholder inputs read them) and are copied to pinned host memory
+                   -> logits of the step's logits rows -> Sampler (and the accepted draft tokens of a
+                      verification step) -> sampled ids stay on the device (the next step's placeholder inputs
+                      read them) and are copied to pinned host memory
     result():      wait for that copy -> StepResult
 """
 from __future__ import annotations
@@ -62,8 +63,11 @@ class ModelRunner:
         self.slot_state = SlotState(config.model.vocab_size, self.device)  # penalties and biases, allocated on use
         self.timer = StepTimer.from_env(self.device, self.tp.rank)
         self.profilers = StepProfiler.from_env(self.device, self.tp.rank)
-        # the latest step's sampled ids, read on the device by the next step's placeholder inputs
-        self.sampled_buf = torch.zeros(max(config.max_num_seqs, 1), dtype=torch.int64, device=self.device)
+        # the latest step's sampled ids, read on the device by the next step's placeholder inputs: a row per
+        # sequence, and one per draft token a step can verify (speculative decoding)
+        rows = config.max_num_seqs + (config.speculative.max_draft_tokens if config.speculative else 0)
+        self.sampled_buf = torch.zeros(max(min(rows, config.max_num_batched_tokens), config.max_num_seqs, 1),
+                                       dtype=torch.int64, device=self.device)
         self.graphs: CUDAGraphs | None = None
         if self.device.type == "cuda" and not config.args.enforce_eager:
             self.graphs = CUDAGraphs(config, self.device, self._decode_forward, self._step_forward)
@@ -233,6 +237,12 @@ class ModelRunner:
             else:  # a CUDA graph's staging layout has no room for them: a separate small copy
                 pairs = torch.tensor(sb.banned, dtype=torch.int32).T.contiguous().to(self.device, non_blocking=True)
                 banned = pairs[0], pairs[1]
+        drafts = None
+        if sb.drafts is not None:  # speculative decoding: one small copy of the verifying rows and their drafts
+            d = sb.drafts
+            flat = torch.tensor(d.first_rows + d.tokens, dtype=torch.int64).to(self.device, non_blocking=True)
+            N = len(d.first_rows)
+            drafts = flat[:N], flat[N:].view(N, d.width)
         return SamplingTensors(
             temperatures=v.temps[:S], top_ks=v.top_ks[:S], top_ps=v.top_ps[:S], min_ps=v.min_ps[:S],
             seeds=v.seeds[:S], steps=v.steps[:S],
@@ -241,7 +251,8 @@ class ModelRunner:
             need_top_k=any(k > 0 for k in sb.top_ks), need_top_p=any(p < 1.0 for p in sb.top_ps),
             need_min_p=any(p > 0.0 for p in sb.min_ps), max_logprobs=max(asked) if asked else None,
             features=self.slot_state.prepare(sb.features) if sb.features is not None else None,
-            slot_state=self.slot_state)
+            slot_state=self.slot_state, draft_rows=drafts[0] if drafts else None,
+            draft_tokens=drafts[1] if drafts else None)
 
     @torch.inference_mode()
     def launch(self, batch: StepBatch) -> PendingStep:
@@ -359,7 +370,7 @@ class PendingStep:
         cuda = device.type == "cuda"
         tensors = {}
         if out is not None:
-            for name in ("token_ids", "logprobs", "ranks", "top_ids", "top_logprobs"):
+            for name in ("token_ids", "logprobs", "ranks", "top_ids", "top_logprobs", "num_accepted"):
                 if getattr(out, name) is not None:
                     tensors[name] = getattr(out, name)
         for name, t in (prompt_lp or {}).items():
@@ -389,5 +400,6 @@ class PendingStep:
         h = {name: t.tolist() for name, t in self.host.items()}
         return StepResult(token_ids=h.get("token_ids", []), logprobs=h.get("logprobs"), ranks=h.get("ranks"),
                           top_ids=h.get("top_ids"), top_logprobs=h.get("top_logprobs"),
-                          prompt_logprobs=h.get("prompt_logprobs"), prompt_ranks=h.get("prompt_ranks"),
-                          prompt_top_ids=h.get("prompt_top_ids"), prompt_top_logprobs=h.get("prompt_top_logprobs"))
+                          num_accepted=h.get("num_accepted"), prompt_logprobs=h.get("prompt_logprobs"),
+                          prompt_ranks=h.get("prompt_ranks"), prompt_top_ids=h.get("prompt_top_ids"),
+                          prompt_top_logprobs=h.get("prompt_top_logprobs"))

@@ -37,6 +37,13 @@ Policies (what decides how much prefill joins a step):
 With async scheduling the step after this one is scheduled before this one's tokens are read back: each
 sampling sequence gets a PLACEHOLDER token (its value stays on the device and feeds the next step's input
 directly); a sequence whose placeholder is its last allowed token is not scheduled again.
+
+Speculative decoding (engine/spec/): a decoding sequence with k draft tokens (`Sequence.draft_ids`) wants 1 + k
+tokens: its last token and the drafts after it, as far as the budget allows (`SchedulerOutput.num_drafts`), with
+KV slots for all of them (if the free blocks don't cover the drafts, it verifies none: drafts never preempt).
+Only the last real token counts as computed when the step is launched (`on_step_done`); the engine adds the
+accepted drafts once they are verified, and the rejected ones' slots are overwritten later. So a block is
+registered in the prefix cache only once every token in it is real.
 """
 from __future__ import annotations
 
@@ -61,7 +68,8 @@ class SchedulerOutput:
     """One step's work: sequences and how many new tokens of each to compute. The decode rows
     (`is_decode_row`) come first: `num_decode` of them."""
     seqs: list[Sequence] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # draft tokens included
+    num_drafts: list[int] = field(default_factory=list)      # of them, draft tokens (seq.draft_ids[:k]) verified
     preempted: list[Sequence] = field(default_factory=list)
     num_decode: int = 0
 
@@ -152,6 +160,12 @@ class Scheduler:
                     i += 1
                     continue
                 prefill_budget = max(prefill_budget - n, 0)
+            drafts = 0
+            if left == 1 and seq.draft_ids:  # decode: the drafts are verified after its last token, in this step
+                drafts = min(len(seq.draft_ids), budget - 1)
+                if not self.bm.can_grow(seq, seq.num_computed_tokens + 1 + drafts):
+                    drafts = 0  # drafts never cost a preemption
+                n += drafts
             target = seq.num_computed_tokens + n
             while not self.bm.can_grow(seq, target):
                 victim = self.running.pop()
@@ -164,6 +178,7 @@ class Scheduler:
             self.bm.grow(seq, target)
             out.seqs.append(seq)
             out.num_new_tokens.append(n)
+            out.num_drafts.append(drafts)
             budget -= n
             i += 1
 
@@ -191,6 +206,7 @@ class Scheduler:
             self.running.append(seq)
             out.seqs.append(seq)
             out.num_new_tokens.append(n)
+            out.num_drafts.append(0)
             budget -= n
             prefill_budget = max(prefill_budget - n, 0)
 
@@ -201,6 +217,7 @@ class Scheduler:
             order = sorted(range(len(out.seqs)), key=lambda i: not decode[i])
             out.seqs = [out.seqs[i] for i in order]
             out.num_new_tokens = [out.num_new_tokens[i] for i in order]
+            out.num_drafts = [out.num_drafts[i] for i in order]
         return out
 
     def _prefill_target(self) -> tuple[int, int, bool]:
@@ -277,6 +294,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.release(seq)
+        seq.draft_ids = []
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -286,11 +304,13 @@ class Scheduler:
 
     def on_step_done(self, out: SchedulerOutput) -> list[tuple[Sequence, int]]:
         """Advance computed counts once a step is launched and give every sampling sequence a PLACEHOLDER
-        token. Returns (sequence, row of the step's sampled ids) pairs; sequences finished meanwhile
-        (aborted, or stopped by the previous step's tokens) are skipped."""
+        token. Returns (sequence, first row of the step's sampled ids) pairs; sequences finished meanwhile
+        (aborted, or stopped by the previous step's tokens) are skipped. A sequence verifying k drafts has 1 + k
+        rows and counts only its last real token as computed: the engine adds the accepted drafts."""
         sampled = []
         row = 0
-        for seq, n in zip(out.seqs, out.num_new_tokens):
+        for seq, n, drafts in zip(out.seqs, out.num_new_tokens, out.num_drafts or [0] * len(out.seqs)):
+            n -= drafts
             samples = seq.num_computed_tokens + n == seq.num_tokens
             if seq.status == SequenceStatus.RUNNING:
                 seq.num_computed_tokens += n
@@ -299,5 +319,5 @@ class Scheduler:
                     seq.append_token(PLACEHOLDER)
                     seq.pending_row = row
                     sampled.append((seq, row))
-            row += samples
+            row += (1 + drafts) * samples
         return sampled

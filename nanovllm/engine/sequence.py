@@ -56,6 +56,10 @@ class Sequence:
         self.static_bias: tuple[list[int], list[tuple[int, float]]] | None = None  # (allowed ids, (id, bias))
         self.bad_word_ids: list[tuple[int, ...]] = []  # multi-token bad words (one-token ones are in static_bias)
         self.matcher = None                   # xgrammar GrammarMatcher (structured outputs)
+        # speculative decoding (engine/spec/): the draft tokens proposed for this step, which the scheduler lets it
+        # verify after its last token (never part of token_ids), and the speculator's per-sequence state
+        self.draft_ids: list[int] = []
+        self.spec = None
         # output side, owned by the engine
         self.stream = False                   # report progress every step
         self.detok = None                     # IncrementalDetokenizer when text is needed as it grows
@@ -100,6 +104,13 @@ class Sequence:
     def uses_slot(self) -> bool:
         """It keeps sampler state on the device (penalty counts, a bias row): engine/sampling_features.py."""
         return self.params.uses_penalties or self.static_bias is not None
+
+    @property
+    def can_speculate(self) -> bool:
+        """Its rows can be verified several at a time: each row's logits processing depends on nothing sampled in
+        the same step (no penalties, whose counts would have to include the drafts; no grammar or multi-token bad
+        words, whose masks follow the previous token)."""
+        return not self.params.uses_penalties and not self.deferred_sampling
 
     @property
     def deferred_sampling(self) -> bool:

@@ -13,6 +13,16 @@ needs no full-vocabulary view (no filter, no logprobs), each rank computes the e
 of its slice per row (`sample_partial_ref`, or the kernel), the ranks all-gather these (B, 2) partials and every
 rank reduces them alike (`reduce_partials`): the ids of the full-logits path, without gathering the logits.
 Otherwise the logits are gathered and sampled as with one rank.
+
+Speculative decoding verifies draft tokens with the same draws (`accepted_drafts`). A sequence verifying drafts
+d_0..d_{k-1} has k + 1 logits rows; row j holds the target's logits after d_{j-1} and is sampled with the noise of
+the output position it samples, so sample_j is exactly the token plain decoding would draw there if d_0..d_{j-1}
+are the tokens before it. Draft d_j is accepted iff every draft before it was and sample_j == d_j; the sequence
+then gets the accepted drafts and the sample of the first row that did not match (all k + 1 when every draft
+matched). The output is therefore token for token what decoding without drafts gives with the same seed (up to
+the float rounding of logits computed in a differently shaped batch). For a deterministic draft this is
+speculative rejection sampling: P(accept d) = P(Gumbel-max = d) = p(d), and given a rejection the emitted token
+is Gumbel-max conditioned on not being d, i.e. drawn from p with d removed and renormalized.
 """
 from __future__ import annotations
 
@@ -76,6 +86,9 @@ class SamplingTensors:
     features: DeviceFeatures | None = None
     slot_state: SlotState | None = None
     late: LateInputs | None = None
+    # speculative decoding: (N,) first logits row of each verifying sequence and its (N, K) draft tokens, -1 padded
+    draft_rows: torch.Tensor | None = None
+    draft_tokens: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -104,6 +117,7 @@ class SamplerOutput:
     ranks: torch.Tensor | None = None            # (B,) 1-based rank of the sampled token
     top_ids: torch.Tensor | None = None          # (B, k)
     top_logprobs: torch.Tensor | None = None     # (B, k)
+    num_accepted: torch.Tensor | None = None     # (N,) accepted draft tokens of each verifying sequence
 
 
 def sample_ref(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
@@ -121,6 +135,16 @@ def sample_ref(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Te
     gumbel = -torch.log(-torch.log(hash_uniform(seeds, steps, V)))
     ids = (x + gumbel).argmax(dim=-1)
     return torch.where(greedy, logits.argmax(dim=-1), ids)
+
+
+def accepted_drafts(token_ids: torch.Tensor, first_rows: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    """(S,) sampled ids, (N,) first logits row of each verifying sequence, (N, K) its drafts (-1 padded) -> (N,)
+    accepted drafts: how many leading drafts equal the samples of their rows (cumprod of the matches)."""
+    S = token_ids.shape[0]
+    K = drafts.shape[1]
+    rows = (first_rows[:, None] + torch.arange(K, device=drafts.device)[None, :]).clamp(max=S - 1)  # (N, K)
+    match = token_ids[rows] == drafts                          # padding (-1) never matches a token id
+    return match.to(torch.int32).cumprod(dim=1).sum(dim=1)
 
 
 def sample_partial_ref(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
@@ -184,10 +208,16 @@ class Sampler(nn.Module):
         With a `vocab_shard`, logits are this rank's (B, shard size) slice (padding included) and every rank
         must call this with the same batch (collectives): the ids are those of the full logits."""
         shard = self.vocab_shard
-        if shard is not None:
-            if not self.needs_full_vocab(t):
-                return SamplerOutput(token_ids=self._sample_sharded(logits, t, shard))
-            logits = shard.gather(logits)
+        if shard is not None and not self.needs_full_vocab(t):
+            out = SamplerOutput(token_ids=self._sample_sharded(logits, t, shard))
+        else:
+            out = self._sample(shard.gather(logits) if shard is not None else logits, t)
+        if t.draft_rows is not None:
+            out.num_accepted = accepted_drafts(out.token_ids, t.draft_rows, t.draft_tokens)
+        return out
+
+    def _sample(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+        """The full-vocabulary path: (B, V) logits (modified in place) -> ids and the logprobs asked for."""
         out = SamplerOutput(token_ids=torch.empty(0))
         if t.max_logprobs is not None:  # of the raw logits (vLLM's default), before anything below changes them
             logp = torch.log_softmax(logits.float(), dim=-1)

@@ -338,4 +338,5 @@ class AsyncEngine:
             "num_preemptions": getattr(e.scheduler, "num_preemptions", 0),
             "prefix_queries": getattr(bm, "prefix_queries", 0),
             "prefix_hits": getattr(bm, "prefix_hits", 0),
+            "spec": getattr(e, "spec_metrics", None),  # speculative decoding's counters, None without it
         }

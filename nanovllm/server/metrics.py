@@ -119,6 +119,14 @@ class ServerMetrics:
                stats["num_preemptions"])
         simple("nanovllm:prefix_cache_queries_total", "counter", "Prefix cache lookups.", stats["prefix_queries"])
         simple("nanovllm:prefix_cache_hits_total", "counter", "Prefix cache hits.", stats["prefix_hits"])
+        spec = stats.get("spec")
+        if spec is not None:  # speculative decoding (vLLM's names)
+            simple("nanovllm:spec_decode_num_drafts_total", "counter", "Sequence-steps that verified draft tokens.",
+                   spec["num_drafts"])
+            simple("nanovllm:spec_decode_num_draft_tokens_total", "counter", "Draft tokens verified.",
+                   spec["num_draft_tokens"])
+            simple("nanovllm:spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.",
+                   spec["num_accepted_tokens"])
         with self.lock:
             metric("nanovllm:request_success_total", "counter", "Requests finished, by finish reason.",
                    [f"nanovllm:request_success_total{_labels({**lab, 'finished_reason': r})} {n}"
