@@ -189,6 +189,15 @@ class LLMEngine:
         self.scheduler.finish(seq, "abort")
         return True
 
+    def abort_all(self) -> list[str]:
+        """Drop every request, and the tokens of a launched step not read yet (after a step failed). Returns
+        the ids dropped."""
+        ids = list(self.requests)
+        for rid in ids:
+            self.abort_request(rid)
+        self._inflight = None
+        return ids
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
 
@@ -207,6 +216,17 @@ class LLMEngine:
 
         Returns (outputs, prompt tokens launched, tokens sampled by the processed step). Outputs hold every
         request that finished and every streamed request that made progress."""
+        advanced, num_prefill, num_sampled = self.step_tokens()
+        now = time.monotonic()
+        outputs = [self._make_output(seq, now) for seq, _ in advanced if seq.is_finished or seq.stream]
+        return outputs, num_prefill, num_sampled
+
+    def step_tokens(self) -> tuple[list[tuple[Sequence, int]], int, int]:
+        """`step` without building outputs (the engine core's step: it reports token ids, not text).
+
+        Returns ((sequence, token) for every sequence the processed step gave a token, prompt tokens launched,
+        tokens sampled). Stop checks are done: a sequence that finished has its finish reason and has released
+        its blocks."""
         sched = self.scheduler.schedule()
         launched = None
         num_prefill = 0
@@ -217,10 +237,10 @@ class LLMEngine:
             num_prefill = sched.num_tokens - sum(1 for s in sched.seqs[:sched.num_decode] if s.num_output_tokens)
             handle = self.runner.launch(batch) if self.async_scheduling else self.runner.execute(batch)
             launched = (handle, sched)
-        outputs, num_sampled = [], 0
+        advanced, num_sampled = [], 0
         if self._inflight is not None:  # the previous step's tokens (its successor is already queued)
             prev_handle, prev_pending = self._inflight
-            outputs, num_sampled = self._resolve(prev_handle.result(), prev_pending)
+            advanced, num_sampled = self._resolve(prev_handle.result(), prev_pending)
             self._inflight = None
         if launched is not None:
             handle, sched = launched
@@ -228,17 +248,18 @@ class LLMEngine:
             if self.async_scheduling:
                 self._inflight = (handle, pending)
             else:
-                outputs, num_sampled = self._resolve(handle, pending)  # execute() gave the result itself
-        elif self.scheduler.has_unfinished() and not outputs and not num_sampled:
+                advanced, num_sampled = self._resolve(handle, pending)  # execute() gave the result itself
+        elif self.scheduler.has_unfinished() and not advanced and not num_sampled:
             raise RuntimeError("scheduler made no progress with requests pending (KV cache too small?)")
         self.num_prompt_tokens += num_prefill
         self.num_generation_tokens += num_sampled
-        return outputs, num_prefill, num_sampled
+        return advanced, num_prefill, num_sampled
 
-    def _resolve(self, result, pending: list[tuple[Sequence, int]]) -> tuple[list[RequestOutput], int]:
-        """Put a step's sampled tokens in place of its placeholders, then check each sequence for a stop."""
+    def _resolve(self, result, pending: list[tuple[Sequence, int]]) -> tuple[list[tuple[Sequence, int]], int]:
+        """Put a step's sampled tokens in place of its placeholders, then check each sequence for a stop.
+        Returns the (sequence, token) pairs resolved and the number of tokens the step sampled."""
         now = time.monotonic()
-        outputs = []
+        advanced = []
         for seq, row in pending:
             if seq.is_finished:  # aborted while its step was in flight
                 continue
@@ -256,9 +277,8 @@ class LLMEngine:
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self.requests.pop(seq.request_id, None)
-            if seq.is_finished or seq.stream:
-                outputs.append(self._make_output(seq, now))
-        return outputs, len(pending)
+            advanced.append((seq, tok))
+        return advanced, len(pending)
 
     def _check_stop(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
