@@ -9,8 +9,8 @@ Around the routes (serving.py): an API-key check, and the server's lifecycle (`L
   to `graceful_shutdown_timeout` seconds to finish, then open streams end with an SSE error event and the others
   with an OpenAI-shaped 503; then the server stops (exit code 0);
 - engine dead (the engine core exited, reported EngineDead, or stalled past the watchdog): requests in flight end
-  with an error at once, new ones are 503, /health is 503; once the requests in flight have been answered the
-  server stops with exit code 1, so that a supervisor restarts it.
+  with an error at once, new ones are 503, /health is 503; once the requests in flight have been answered (and
+  DEAD_LINGER_S has passed) the server stops with exit code 1, so that a supervisor restarts it.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ from nanovllm.server.serving import OpenAIServer, ServerClosingError, engine_err
 logger = logging.getLogger(__name__)
 
 EXIT_LINGER_S = 5.0   # after failing what was in flight, how long the server waits for those answers to go out
+DEAD_LINGER_S = 1.0   # a dead server answers 503 for at least this long (health checks see 503, not a closed port)
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -87,7 +88,6 @@ class Lifecycle:
         self.exit_code = 0
         self.stop = None
         self.loop: asyncio.AbstractEventLoop | None = None    # the server's, once it runs
-        self._answered: asyncio.Event | None = None
         self._stopping = False
 
     @property
@@ -113,15 +113,13 @@ class Lifecycle:
                 await app(scope, receive, send)
             finally:
                 self.active -= 1
-                if not self.active and self._answered is not None:
-                    self._answered.set()
         return asgi
 
     async def _until_answered(self, timeout: float) -> bool:
-        self._answered = asyncio.Event()
-        if self.active:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._answered.wait(), timeout)
+        """Wait until no guarded request is being answered (True), or `timeout` seconds (False)."""
+        deadline = self.loop.time() + timeout
+        while self.active and self.loop.time() < deadline:
+            await asyncio.sleep(0.05)
         return not self.active
 
     def _request_stop(self) -> None:
@@ -147,7 +145,7 @@ class Lifecycle:
         logger.error("the engine is dead (%s): the server stops once the requests in flight are answered", reason)
 
         async def stop_later():
-            await self._until_answered(max(self.grace, EXIT_LINGER_S))
+            await asyncio.gather(self._until_answered(max(self.grace, EXIT_LINGER_S)), asyncio.sleep(DEAD_LINGER_S))
             self._stopping = True
             self._request_stop()
         asyncio.get_running_loop().create_task(stop_later())
