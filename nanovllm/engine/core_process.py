@@ -78,9 +78,15 @@ def run_engine_core(args, inbox, outbox, make_core, parent_pid: int) -> None:
         code = CoreLoop(core, inbox, outbox).run()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         logger.info("the API process went away: shutting down")
+    except BaseException:
+        logger.exception("the engine core failed")
+        code = 1
     finally:
         core.shutdown()
-    sys.exit(code)
+    # the engine is shut down: skip the interpreter's teardown (a second with torch loaded)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class CoreLoop:
