@@ -124,9 +124,11 @@ def test_max_tokens_past_the_context_and_messages_without_content_are_400(srv):
         r = srv.http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 10_000})
         check_error(r, 400, "max_tokens", f"maximum context length is {MAX_MODEL_LEN} tokens and your request has "
                                           f"{n_prompt} input tokens")
-        r = srv.http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT,
-                                                   "max_tokens": MAX_MODEL_LEN - n_prompt})
+        long_prompt = [5] * (MAX_MODEL_LEN - 6)        # 6 tokens of context left
+        r = srv.http.post("/v1/completions", json={"model": MODEL, "prompt": long_prompt, "max_tokens": 6})
         assert r.status_code == 200                      # exactly the context left is fine
+        r = srv.http.post("/v1/completions", json={"model": MODEL, "prompt": long_prompt, "max_tokens": 7})
+        check_error(r, 400, "max_tokens", "(7 > 512 - 506)")
         check_error(chat(srv, max_completion_tokens=MAX_MODEL_LEN), 400, "max_tokens", "is too large")
         r = srv.http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user"}]})
         check_error(r, 400, "messages.0.content", "required")
