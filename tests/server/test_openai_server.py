@@ -465,13 +465,13 @@ def test_sse_wire_format(srv):
 
 # --- the online benchmark's client side -------------------------------------------------------------------
 def _bench_module():
-    import importlib.util
+    """benchmarks/online_bench.py, imported once under its own name (its client processes import it too)."""
+    import importlib
     import os
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "online_bench.py")
-    spec = importlib.util.spec_from_file_location("online_bench", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    bench_dir = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
+    if os.path.abspath(bench_dir) not in map(os.path.abspath, sys.path):
+        sys.path.append(os.path.abspath(bench_dir))
+    return importlib.import_module("online_bench")
 
 
 def test_bench_workload_and_client(srv):
@@ -495,3 +495,16 @@ def test_bench_workload_and_client(srv):
     bad = asyncio.run(bench.run_rate(srv.url, MODEL, "wrong-key", [[1, 2, 3]], [4], rate=float("inf"), seed=0,
                                      temperature=0.6, max_concurrency=None, timeout=60))
     assert bad["failed"] == 1 and "401" in bad["errors"][0]
+
+
+def test_bench_fake_core_mode_measures_the_api_process(tmp_path):
+    """online_bench --fake-core: the API server before a model-free engine core, driven by two client processes;
+    the report has the API process's CPU per token."""
+    bench = _bench_module()
+    out = tmp_path / "fake.json"
+    assert bench.main(["--fake-core", "--num-requests", "8", "--max-tokens-cap", "12", "--rates", "inf",
+                       "--client-procs", "2", "--num-warmup", "1", "--output", str(out)]) == 0
+    (res,) = json.loads(out.read_text())["results"]
+    assert res["completed"] == 8 and res["failed"] == 0 and res["client_procs"] == 2
+    assert res["output_tokens"] == 8 * 12 and res["server"]["generation_tokens_total"] == 8 * 12
+    assert res["cpu"]["api_us_per_output_token"] > 0 and "engine_core_s" in res["cpu"]
