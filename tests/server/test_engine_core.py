@@ -215,8 +215,8 @@ class _Loop:
 def test_core_loop_serves_aborts_reports_idle_and_stops():
     core = FakeEngineCore(FakeCoreArgs(token_ids=(10, 11, 12), vocab_size=50, max_num_seqs=2))
     loop = _Loop(core)
-    p = cp.params_to_wire(SamplingParams(max_tokens=3))
-    loop.send(cp.AddRequest([1, 2], ["a", "b", "c"], [p, p, p]))
+    p, forever = (cp.params_to_wire(SamplingParams(max_tokens=m)) for m in (3, 10 ** 6))
+    loop.send(cp.AddRequest([1, 2], ["a", "b", "c"], [p, p, forever]))
     rows, finished = [], []
     while True:
         out = loop.recv()
@@ -224,15 +224,16 @@ def test_core_loop_serves_aborts_reports_idle_and_stops():
         finished += [out.request_ids[f.index] for f in out.finished]
         if "a" in finished and "b" in finished:
             break
-    assert [r for r, _ in rows[:2]] == ["a", "b"]         # max_num_seqs=2: c waits
+    assert [r for r, _ in rows[:2]] == ["a", "b"] and "c" not in [r for r, _ in rows[:6]]   # max_num_seqs=2
+    assert len(rows) == 6
     loop.send(cp.Abort(["c"]))
-    while True:                                           # c may have run a step or two; then the idle report
+    while True:                                           # c runs until the abort lands; then the idle report
         out = loop.recv()
         if not out.request_ids and out.stats.num_running == 0:
             break
         assert not out.finished
     assert out.stats.num_waiting == 0
-    loop.send(cp.AddRequest([1], ["d"], [cp.params_to_wire(SamplingParams(max_tokens=10 ** 6))]))
+    loop.send(cp.AddRequest([1], ["d"], [forever]))
     assert loop.recv().request_ids == ["d"]
     loop.send(cp.Shutdown())
     loop.thread.join(10)
@@ -252,7 +253,7 @@ def test_core_loop_step_failures():
 
     core = Flaky(FakeCoreArgs(token_ids=(10,), vocab_size=50))
     loop = _Loop(core)
-    p = cp.params_to_wire(SamplingParams(max_tokens=50))
+    p = cp.params_to_wire(SamplingParams(max_tokens=10 ** 6))     # runs until the failure
     loop.send(cp.AddRequest([1], ["a"], [p]))
     assert loop.recv().request_ids == ["a"]
     core.fail_next = True
