@@ -172,7 +172,8 @@ class EngineCoreClient:
             except OSError:
                 pass
         self._proc.join(timeout)
-        self._kill()
+        if self._proc.is_alive():
+            self._kill()
         for t in self._threads:
             t.join(2.0)
 

@@ -208,12 +208,12 @@ class Preprocessor:
         if not ids:
             raise bad_request("prompt is empty (no tokens)", "prompt")
         V, L = self.vocab_size, self.max_model_len
-        bad = next((t for t in ids if not 0 <= t < V), None)
-        if bad is not None:
-            raise bad_request(f"prompt token id {bad} is outside the vocabulary [0, {V})", "prompt")
-        if len(ids) > L:
+        if len(ids) > L:       # first: it costs nothing, however long the prompt
             raise bad_request(f"the prompt has {len(ids)} tokens, more than this model's maximum context length of "
                               f"{L} tokens", "prompt")
+        if min(ids) < 0 or max(ids) >= V:
+            bad = next(t for t in ids if not 0 <= t < V)
+            raise bad_request(f"prompt token id {bad} is outside the vocabulary [0, {V})", "prompt")
 
     def check_params(self, ids: list[int], params) -> None:
         """What SamplingParams cannot check alone: `max_tokens` against the context left after this prompt, stop
