@@ -118,6 +118,9 @@ def serve_command(ns: argparse.Namespace) -> int:
     from nanovllm.server.core_client import EngineCoreClient
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # the pipe threads (core_client.py) wait for the GIL while the event loop works: at most 1 ms, not Python's
+    # default 5 ms, between a request and its hand-off to the engine core (or a step's outputs and the loop)
+    sys.setswitchinterval(0.001)
     args = server_engine_args(ns)
     config = server_config(ns)
     tokenizer = load_tokenizer(args.tokenizer or args.model, required=args.load_format != "dummy")
