@@ -341,6 +341,7 @@ def serve_fake_core(argv: list[str]) -> int:
     from nanovllm.server.core_client import EngineCoreClient
     from nanovllm.utils.fake_core import FakeCoreArgs, FakeEngineCore
 
+    sys.setswitchinterval(0.001)      # as `nanovllm serve` does
     tok = load_tokenizer(ns.tokenizer, required=True)
     text_ids = tuple(i for i in range(len(tok)) if (t := tok.decode([i])).isascii() and t.isprintable() and t)
     args = FakeCoreArgs(token_ids=text_ids, vocab_size=10240, max_model_len=4096, max_num_seqs=ns.max_num_seqs,
