@@ -255,7 +255,8 @@ _FRIENDLY = {
 }
 
 
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# a surrogate as a \uD800-\uDFFF escape, or encoded as UTF-8 bytes (json.loads lets those through too)
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 
 
 def _lone_surrogate_path(obj) -> str | None:
@@ -291,8 +292,8 @@ def parse_body(raw: bytes, model_cls: type[BaseModel]):
                        code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-    # a \uD800-\uDFFF escape (rare): a pair is a valid character, a lone one is not text
-    if _SURROGATE_ESCAPE.search(raw) and (where := _lone_surrogate_path(data)) is not None:
+    # rare: a pair of escapes is a valid character, a lone surrogate is not text
+    if _SURROGATE.search(raw) and (where := _lone_surrogate_path(data)) is not None:
         raise APIError(400, f"{where}: a string holds a lone UTF-16 surrogate, which is not valid text",
                        param=where.split(".")[0], code="invalid_value")
     try:

@@ -105,6 +105,7 @@ def test_lone_surrogates_and_deep_json_are_400(srv):
             ("/v1/completions", b'{"model": "%s", "prompt": "x", "stop": ["\\ud800"]}' % MODEL.encode()),
             ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udc00"}]}'),
             ("/tokenize", b'{"prompt": "\\ud800"}'),
+            ("/tokenize", b'{"prompt": "raw \xed\xa0\x80 bytes"}'),          # a surrogate encoded as UTF-8
             ("/v1/completions", b"[" * 100_000 + b"]" * 100_000),
             ("/v1/completions", b'{"prompt": "x", "logit_bias": ' + b'{"a": ' * 100_000 + b"1" + b"}" * 100_001),
             ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": '
