@@ -198,14 +198,18 @@ def test_sigterm_drains_then_ends_what_is_left_and_exits_0(tiny_path):
         def post(name, **body):
             results[name] = httpx.post(server.url + "/v1/completions", timeout=60,
                                        json={"model": MODEL, "prompt": PROMPT, "ignore_eos": True, **body})
-        threads = [threading.Thread(target=post, args=("short",), kwargs={"max_tokens": 20}),
-                   threading.Thread(target=post, args=("long",), kwargs={"max_tokens": 2000})]
-        for t in threads:
-            t.start()
+        long_post = threading.Thread(target=post, args=("long",), kwargs={"max_tokens": 2000})
+        long_post.start()
         deadline = time.monotonic() + 20
-        while running(server.url) < 3:             # all three in the engine
+        while running(server.url) < 2:             # both long ones in the engine
             assert time.monotonic() < deadline, "the requests never ran"
             time.sleep(0.02)
+        short_post = threading.Thread(target=post, args=("short",), kwargs={"max_tokens": 60})
+        short_post.start()
+        while running(server.url) < 3 and "short" not in results:     # the short one in flight too (or done)
+            assert time.monotonic() < deadline, "the short request never ran"
+            time.sleep(0.01)
+        threads = [long_post, short_post]
         server.proc.send_signal(signal.SIGTERM)
         time.sleep(0.2)
         check_error(httpx.get(server.url + "/health"), 503, "server_shutting_down")      # still listening: 503
@@ -215,7 +219,7 @@ def test_sigterm_drains_then_ends_what_is_left_and_exits_0(tiny_path):
             t.join(30)
         long_stream.join()
         assert results["short"].status_code == 200, results["short"].text  # finished within the grace period
-        assert results["short"].json()["usage"]["completion_tokens"] == 20
+        assert results["short"].json()["usage"]["completion_tokens"] == 60
         check_error(results["long"], 503, "server_shutting_down")  # ended when it was over
         assert long_stream.status == 200 and long_stream.text and long_stream.done
         assert long_stream.error["code"] == "server_shutting_down"
