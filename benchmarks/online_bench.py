@@ -5,6 +5,7 @@
     python benchmarks/online_bench.py --model path/to/config.json --load-format dummy --rates 8 \\
         --max-model-len 4096 --tensor-parallel-size 2          # unknown flags go to `nanovllm serve`
     python benchmarks/online_bench.py --url http://127.0.0.1:8000 --rates 4,inf   # a server already running
+    python benchmarks/online_bench.py --fake-core --rates inf          # the API process alone, on CPU
 
 Workload (fixed): random.Random(0); 256 requests; prompt i is [rng.randint(0, 10000) for _ in
 range(rng.randint(100, 1024))], all prompts drawn first, then max_tokens = [rng.randint(100, 1024) for each];
@@ -18,6 +19,15 @@ at the end. --model may be a checkpoint directory or a config.json file (a direc
 is made for it; use --load-format dummy). The prompts are token ids, so any tokenizer will do: if the model
 directory has none and --tokenizer is not given, a tiny tokenizer is built and used (outputs are then
 detokenized as gibberish, which does not matter here).
+
+The client is spread over --client-procs processes (requests dealt round-robin, one arrival schedule), so
+that parsing hundreds of streams does not make the client the bottleneck. For a server it started, the script
+also reports the CPU time its API process and its engine-core process spent per output token (`cpu` in the
+results): the API process's share is what HTTP, detokenization and SSE cost.
+
+--fake-core serves the same API in front of an engine core without a model (nanovllm/utils/fake_core.py: every
+running request gets a made-up token per step, --fake-step-seconds apart, 0 = as fast as it can), so the numbers
+are the API process's own: its tok/s ceiling and its CPU per token, on any machine.
 """
 from __future__ import annotations
 
@@ -122,33 +132,60 @@ async def send_one(client, url: str, headers: dict, payload: dict) -> dict:
     return rec
 
 
-async def run_rate(base_url: str, model: str, api_key: str | None, prompts, max_tokens, rate: float, seed: int,
-                   temperature: float, max_concurrency: int | None, timeout: float) -> dict:
+def _shard(args) -> list[dict]:
+    """One client process's requests (indices `idx`), sent at `start_wall + arrivals[i]` (time.time())."""
+    base_url, model, api_key, prompts, max_tokens, idx, arrivals, start_wall, temperature, max_conc, timeout = args
+    return asyncio.run(_send_shard(base_url, model, api_key, prompts, max_tokens, idx, arrivals, start_wall,
+                                   temperature, max_conc, timeout))
+
+
+async def _send_shard(base_url, model, api_key, prompts, max_tokens, idx, arrivals, start_wall, temperature,
+                      max_concurrency, timeout) -> list[dict]:
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     url = base_url.rstrip("/") + "/v1/completions"
-    n = len(prompts)
-    arrivals = arrival_times(n, rate, seed)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
+    limits = httpx.Limits(max_connections=len(idx) + 8, max_keepalive_connections=len(idx) + 8)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=60), limits=limits) as client:
-        start = time.perf_counter()
-
         async def one(i):
-            delay = arrivals[i] - (time.perf_counter() - start)
+            delay = start_wall + arrivals[i] - time.time()
             if delay > 0:
                 await asyncio.sleep(delay)
             payload = {"model": model, "prompt": prompts[i], "max_tokens": max_tokens[i],
                        "temperature": temperature, "ignore_eos": True, "stream": True,
                        "stream_options": {"include_usage": True}}
             if sem is None:
-                return await send_one(client, url, headers, payload)
-            async with sem:
-                return await send_one(client, url, headers, payload)
+                rec = await send_one(client, url, headers, payload)
+            else:
+                async with sem:
+                    rec = await send_one(client, url, headers, payload)
+            rec["end_wall"] = time.time()
+            return rec
 
-        recs = await asyncio.gather(*(one(i) for i in range(n)))
-        duration = time.perf_counter() - start
+        return await asyncio.gather(*(one(i) for i in idx))
+
+
+async def run_rate(base_url: str, model: str, api_key: str | None, prompts, max_tokens, rate: float, seed: int,
+                   temperature: float, max_concurrency: int | None, timeout: float, client_procs: int = 1) -> dict:
+    """Replay the requests at `rate`; with client_procs > 1 the requests are dealt round-robin to that many
+    client processes (max_concurrency is then per process, divided evenly)."""
+    n = len(prompts)
+    arrivals = arrival_times(n, rate, seed)
+    procs = max(1, min(client_procs, n))
+    start_wall = time.time() + (1.0 if procs > 1 else 0.0)   # time for the client processes to start
+    conc = -(-max_concurrency // procs) if max_concurrency else None
+    shards = [(base_url, model, api_key, prompts, max_tokens, list(range(k, n, procs)), arrivals, start_wall,
+               temperature, conc, timeout) for k in range(procs)]
+    if procs == 1:
+        recs = await _send_shard(*shards[0])
+    else:
+        import concurrent.futures
+        import multiprocessing as mp
+        with concurrent.futures.ProcessPoolExecutor(procs, mp_context=mp.get_context("spawn")) as pool:
+            parts = await asyncio.get_running_loop().run_in_executor(None, lambda: list(pool.map(_shard, shards)))
+        recs = [r for part in parts for r in part]
+    duration = max(r["end_wall"] for r in recs) - start_wall
     ok = [r for r in recs if r["ok"]]
     out_tokens = sum(r["output_tokens"] for r in ok)
     in_tokens = sum(r["prompt_tokens"] for r in ok)
@@ -157,6 +194,7 @@ async def run_rate(base_url: str, model: str, api_key: str | None, prompts, max_
     return {
         "rate": "inf" if math.isinf(rate) else rate,
         "num_requests": n, "completed": len(ok), "failed": len(errors), "errors": sorted(set(errors))[:10],
+        "client_procs": procs,
         "duration_s": duration,
         "request_throughput": len(ok) / duration,
         "output_token_throughput": out_tokens / duration,
@@ -201,11 +239,12 @@ def fallback_tokenizer(tmp: str) -> str:
 
 
 def start_server(model_dir: str, port: int, name: str, api_key: str | None, extra: list[str], log_path: str,
-                 timeout: float) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "nanovllm", "serve", model_dir, "--host", "127.0.0.1", "--port", str(port),
-           "--served-model-name", name, "--disable-access-log", "--uvicorn-log-level", "warning"] + extra
-    if api_key:
-        cmd += ["--api-key", api_key]
+                 timeout: float, cmd: list[str] | None = None) -> subprocess.Popen:
+    if cmd is None:
+        cmd = [sys.executable, "-m", "nanovllm", "serve", model_dir, "--host", "127.0.0.1", "--port", str(port),
+               "--served-model-name", name, "--disable-access-log", "--uvicorn-log-level", "warning"] + extra
+        if api_key:
+            cmd += ["--api-key", api_key]
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     print(f"[bench] starting: {shlex.join(cmd)}\n[bench] server log: {log_path}", file=sys.stderr)
@@ -256,14 +295,79 @@ def scrape_metrics(base_url: str) -> dict:
     return out
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process so far (Linux /proc), None if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def engine_core_pid(api_pid: int) -> int | None:
+    """The engine-core process the API process started (its multiprocessing child, not the resource tracker)."""
+    try:
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    cmd = f.read()
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == api_pid and b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+                return int(d)
+    except OSError:
+        pass
+    return None
+
+
+def serve_fake_core(argv: list[str]) -> int:
+    """The API server in front of a FakeEngineCore (this script runs itself with --serve-fake-core)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--served-model-name", required=True)
+    ap.add_argument("--fake-step-seconds", type=float, default=0.0)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ns = ap.parse_args(argv)
+    sys.path.insert(0, REPO)
+    from nanovllm.server.api import build_app
+    from nanovllm.server.cli import load_tokenizer, make_uvicorn_server
+    from nanovllm.server.config import ServerConfig
+    from nanovllm.server.core_client import EngineCoreClient
+    from nanovllm.utils.fake_core import FakeCoreArgs, FakeEngineCore
+
+    sys.setswitchinterval(0.001)      # as `nanovllm serve` does
+    tok = load_tokenizer(ns.tokenizer, required=True)
+    text_ids = tuple(i for i in range(len(tok)) if (t := tok.decode([i])).isascii() and t.isprintable() and t)
+    args = FakeCoreArgs(token_ids=text_ids, vocab_size=10240, max_model_len=4096, max_num_seqs=ns.max_num_seqs,
+                        step_seconds=ns.fake_step_seconds)
+    client = EngineCoreClient(args, make_core=FakeEngineCore.from_args)
+    client.start()
+    try:
+        app = build_app(client, tok, ServerConfig(served_model_names=(ns.served_model_name,)))
+        make_uvicorn_server(app, host="127.0.0.1", port=ns.port, log_level="warning", access_log=False).run()
+    finally:
+        client.close()
+    return 0
+
+
 # --- main -----------------------------------------------------------------------------------------------
 def fmt_ms(x) -> str:
     return "-" if x is None else f"{x * 1000:.1f}"
 
 
+def _us(x) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
 def print_table(results: list[dict]) -> None:
     head = ["rate", "ok/n", "dur s", "req/s", "out tok/s", "tot tok/s", "TTFT p50", "TTFT p99", "TPOT p50",
-            "TPOT p99", "ITL p50", "E2E p50 s", "preempt"]
+            "TPOT p99", "ITL p50", "E2E p50 s", "preempt", "API us/tok", "core us/tok"]
     rows = []
     for r in results:
         rows.append([str(r["rate"]), f"{r['completed']}/{r['num_requests']}", f"{r['duration_s']:.1f}",
@@ -271,13 +375,15 @@ def print_table(results: list[dict]) -> None:
                      f"{r['total_token_throughput']:.0f}", fmt_ms(r["ttft_s"]["p50"]), fmt_ms(r["ttft_s"]["p99"]),
                      fmt_ms(r["tpot_s"]["p50"]), fmt_ms(r["tpot_s"]["p99"]), fmt_ms(r["itl_s"]["p50"]),
                      "-" if r["latency_s"]["p50"] is None else f"{r['latency_s']['p50']:.2f}",
-                     str(int(r.get("server", {}).get("num_preemptions_total", 0)))])
+                     str(int(r.get("server", {}).get("num_preemptions_total", 0))),
+                     _us(r.get("cpu", {}).get("api_us_per_output_token")),
+                     _us(r.get("cpu", {}).get("engine_core_us_per_output_token"))])
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
     print("  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True)))
     print("  ".join("-" * w for w in widths))
     for row in rows:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
-    print("(TTFT, TPOT, ITL in ms)")
+    print("(TTFT, TPOT, ITL in ms; CPU time of the server's processes per output token in us)")
 
 
 def main(argv=None) -> int:
@@ -299,9 +405,20 @@ def main(argv=None) -> int:
     ap.add_argument("--request-timeout", type=float, default=3600.0)
     ap.add_argument("--startup-timeout", type=float, default=1200.0)
     ap.add_argument("--output", default="online_bench_results.json", help="JSON results file")
+    ap.add_argument("--client-procs", type=int, default=4, help="client processes the requests are spread over")
+    ap.add_argument("--fake-core", action="store_true",
+                    help="serve with a model-free engine core (measures the API process alone; --model not needed)")
+    ap.add_argument("--fake-step-seconds", type=float, default=0.0,
+                    help="--fake-core: seconds per simulated step (0: as fast as the API process takes them)")
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--serve-fake-core"]:
+        return serve_fake_core(argv[1:])
     ns, extra = ap.parse_known_args(argv)
-    if not ns.url and not ns.model:
-        ap.error("give --model (to start a server) or --url (to use a running one)")
+    if not ns.url and not ns.model and not ns.fake_core:
+        ap.error("give --model (to start a server), --url (to use a running one) or --fake-core")
+    if ns.client_procs < 1:
+        ap.error("--client-procs must be >= 1")
     if not 1 <= ns.num_requests <= 256:
         ap.error("--num-requests must be in [1, 256]")
     try:
@@ -330,6 +447,17 @@ def main(argv=None) -> int:
             if model == "bench-model":
                 listing = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30).json()
                 model = listing["data"][0]["id"]
+        elif ns.fake_core:
+            port = _free_port()
+            tok_dir = next((a.split("=", 1)[1] if "=" in a else extra[k + 1] for k, a in enumerate(extra)
+                            if a.startswith("--tokenizer")), None) or fallback_tokenizer(tmp)
+            cmd = [sys.executable, os.path.abspath(__file__), "--serve-fake-core", "--port", str(port), "--tokenizer",
+                   tok_dir, "--served-model-name", ns.served_model_name, "--fake-step-seconds",
+                   str(ns.fake_step_seconds)]
+            proc = start_server("", port, ns.served_model_name, None, [], os.path.join(tmp, "server.log"),
+                                ns.startup_timeout, cmd=cmd)
+            base_url = f"http://127.0.0.1:{port}"
+            model = ns.served_model_name
         else:
             model_dir = prepare_model(ns.model, tmp)
             has_tok_flag = any(a == "--tokenizer" or a.startswith("--tokenizer=") for a in extra)
@@ -353,10 +481,18 @@ def main(argv=None) -> int:
         for rate in rates:
             print(f"[bench] rate {rate:g} req/s: {len(prompts)} requests ...", file=sys.stderr)
             before = scrape_metrics(base_url)
+            pids = {} if proc is None else {"api": proc.pid, "engine_core": engine_core_pid(proc.pid)}
+            cpu0 = {k: cpu_seconds(pid) for k, pid in pids.items() if pid is not None}
             res = asyncio.run(run_rate(base_url, model, ns.api_key, prompts, max_tokens, rate, ns.arrival_seed,
-                                       ns.temperature, ns.max_concurrency, ns.request_timeout))
+                                       ns.temperature, ns.max_concurrency, ns.request_timeout, ns.client_procs))
             after = scrape_metrics(base_url)
             res["server"] = {k: after[k] - before.get(k, 0.0) for k in after}
+            res["cpu"] = {}
+            for k, t0 in cpu0.items():
+                t1 = cpu_seconds(pids[k])
+                if t0 is not None and t1 is not None:
+                    res["cpu"][f"{k}_s"] = t1 - t0
+                    res["cpu"][f"{k}_us_per_output_token"] = (t1 - t0) / max(res["output_tokens"], 1) * 1e6
             results.append(res)
             if res["failed"]:
                 print(f"[bench]   {res['failed']} failed: {res['errors']}", file=sys.stderr)
@@ -365,7 +501,8 @@ def main(argv=None) -> int:
             "workload": {"num_requests": len(prompts), "seed": 0, "temperature": ns.temperature,
                          "ignore_eos": True, "prompt_tokens": sum(map(len, prompts)),
                          "max_tokens": sum(max_tokens), "max_tokens_cap": ns.max_tokens_cap},
-            "server": {"url": ns.url, "model": ns.model, "extra_args": extra},
+            "server": {"url": ns.url, "model": "fake-core" if ns.fake_core else ns.model, "extra_args": extra,
+                       "fake_step_seconds": ns.fake_step_seconds if ns.fake_core else None},
             "arrival_seed": ns.arrival_seed, "max_concurrency": ns.max_concurrency,
             "results": results,
         }

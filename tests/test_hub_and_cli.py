@@ -89,11 +89,18 @@ def test_cli_generate_n_logprobs_and_summary(tiny_ckpt, capsys):
 
 def test_serve_without_a_model_uses_the_tiny_one(monkeypatch, capsys):
     pytest.importorskip("fastapi")
-    import uvicorn
+    import types
 
+    import nanovllm.server.cli as serve_cli
     from nanovllm.cli import main
     seen = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(app=app, **kw))
+
+    def fake_server(app, **kw):   # the app is built over a started engine core; it is not served
+        seen.update(app=app, **kw)
+        return types.SimpleNamespace(run=lambda: None)
+    monkeypatch.setattr(serve_cli, "make_uvicorn_server", fake_server)
     assert main(["serve", "--port", "8123", "--device", "cpu", "--max-model-len", "256", "--kvcache-block-size", "16",
                  "--num-kvcache-blocks", "32"]) == 0
-    assert seen["port"] == 8123 and "RANDOM weights" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert seen["port"] == 8123 and "RANDOM weights" in err and "engine core ready" in err
+    assert seen["app"].state.server.client.info.max_model_len == 256

@@ -267,18 +267,26 @@ def test_context_limit(tiny_ckpt):
     assert accepted(llm) > 0
 
 
-def test_server_snapshot_has_the_counters(tiny_ckpt):
+def test_server_stats_have_the_counters(tiny_ckpt):
+    """The engine core's stats (what the API process's /metrics renders) carry the speculative counters."""
     from nanovllm.config import EngineArgs
-    from nanovllm.engine.llm_engine import LLMEngine
-    from nanovllm.server.async_engine import AsyncEngine
+    from nanovllm.engine.core import EngineCore
+    from nanovllm.engine.core_protocol import CORE_MESSAGES, StepOutputs, decode, encode
     from nanovllm.server.metrics import ServerMetrics
-    engine = LLMEngine(EngineArgs(model=tiny_ckpt("qwen3"), device="cpu", speculative_config=SPEC))
-    for i, p in enumerate(spec_prompts()[-6:]):
-        engine.add_request(str(i), p, GREEDY)
-    while engine.has_unfinished_requests():
-        engine.step()
-    stats = AsyncEngine(engine, start=False)._snapshot()
-    assert stats["spec"] == engine.spec_metrics and stats["spec"]["num_accepted_tokens"] > 0
-    text = ServerMetrics().render(stats, "m")
-    n = stats["spec"]["num_accepted_tokens"]
-    assert f'nanovllm:spec_decode_num_accepted_tokens_total{{model_name="m"}} {n}' in text
+    core = EngineCore.from_args(EngineArgs(model=tiny_ckpt("qwen3"), device="cpu", speculative_config=SPEC))
+    engine = core.engine
+    try:
+        for i, p in enumerate(spec_prompts()[-6:]):
+            engine.add_request(str(i), p, GREEDY)
+        while engine.has_unfinished_requests():
+            engine.step()
+        stats = decode(encode(StepOutputs([], [], stats=core.stats())), CORE_MESSAGES).stats   # over the wire
+        spec = engine.spec_metrics
+        assert stats.spec_decode and spec["num_accepted_tokens"] > 0
+        assert (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens) == \
+            (spec["num_drafts"], spec["num_draft_tokens"], spec["num_accepted_tokens"])
+        text = ServerMetrics().render(stats, "m")
+        n = spec["num_accepted_tokens"]
+        assert f'nanovllm:spec_decode_num_accepted_tokens_total{{model_name="m"}} {n}' in text
+    finally:
+        core.shutdown()

@@ -212,13 +212,13 @@ def test_policy_respects_max_tokens_context_and_sampling_features():
 
 
 def test_server_metrics_use_vllms_names():
+    from nanovllm.engine.core_protocol import EngineStats
     from nanovllm.server.metrics import ServerMetrics
-    stats = {"num_running": 1, "num_waiting": 0, "kv_usage": 0.5, "num_free_blocks": 3, "num_blocks": 6,
-             "prompt_tokens": 10, "generation_tokens": 20, "num_preemptions": 0, "prefix_queries": 1,
-             "prefix_hits": 0}
-    assert "spec_decode" not in ServerMetrics().render(stats, "m")
-    text = ServerMetrics().render({**stats, "spec": {"num_drafts": 4, "num_draft_tokens": 12,
-                                                     "num_accepted_tokens": 7, "mean_acceptance_length": 2.75}}, "m")
+    stats = dict(num_running=1, num_waiting=0, num_free_blocks=3, num_blocks=6, prompt_tokens=10, generation_tokens=20,
+                 num_preemptions=0, prefix_queries=1, prefix_hits=0)
+    assert "spec_decode" not in ServerMetrics().render(EngineStats(**stats), "m")
+    text = ServerMetrics().render(EngineStats(**stats, spec_decode=True, spec_num_drafts=4, spec_num_draft_tokens=12,
+                                              spec_num_accepted_tokens=7), "m")
     assert 'nanovllm:spec_decode_num_draft_tokens_total{model_name="m"} 12' in text
     assert 'nanovllm:spec_decode_num_accepted_tokens_total{model_name="m"} 7' in text
     assert 'nanovllm:spec_decode_num_drafts_total{model_name="m"} 4' in text

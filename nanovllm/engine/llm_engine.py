@@ -46,6 +46,22 @@ def _entry(tok: int, logprob: float, rank: int, top_ids, top_lps) -> dict:
     return {"token_id": tok, "logprob": logprob, "rank": rank, "top": list(zip(top_ids, top_lps))}
 
 
+# what a step gave: (sequence, position of its first new token in `token_ids`, number of new tokens)
+Advanced = list[tuple[Sequence, int, int]]
+
+
+def _merge(advanced: Advanced, more: Advanced) -> Advanced:
+    """Two resolved steps' lists as one, a sequence in both once (the later step's tokens follow the earlier's)."""
+    at = {seq: i for i, (seq, _, _) in enumerate(advanced)}  # a Sequence hashes by identity
+    for seq, start, count in more:
+        i = at.get(seq)
+        if i is None:
+            advanced.append((seq, start, count))
+        else:
+            advanced[i] = (seq, advanced[i][1], advanced[i][2] + count)
+    return advanced
+
+
 def _load_tokenizer(path: str):
     from transformers import AutoTokenizer
     try:
@@ -214,6 +230,15 @@ class LLMEngine:
         self.slots.release(seq)
         seq.matcher = None
 
+    def abort_all(self) -> list[str]:
+        """Drop every request, and the tokens of a launched step not read yet (after a step failed). Returns
+        the ids dropped."""
+        ids = list(self.requests)
+        for rid in ids:
+            self.abort_request(rid)
+        self._inflight = None
+        return ids
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
 
@@ -243,10 +268,19 @@ class LLMEngine:
 
         Returns (outputs, prompt tokens launched, tokens sampled by the processed steps). Outputs hold every
         request that finished and every streamed request that made progress."""
-        outputs, num_sampled = [], 0
+        advanced, num_prefill, num_sampled = self.step_tokens()
+        now = time.monotonic()
+        outputs = [self._make_output(seq, now) for seq, _, _ in advanced if seq.is_finished or seq.stream]
+        return outputs, num_prefill, num_sampled
+
+    def step_tokens(self) -> tuple[Advanced, int, int]:
+        """`step` without building outputs (the engine core's step: it reports token ids, not text). Returns
+        (`Advanced`: each sequence the processed steps gave tokens, once; prompt tokens launched; tokens emitted).
+        Stop checks are done: a sequence that finished has its finish reason and has released its blocks."""
+        advanced, num_sampled = [], 0
         drafted: list[Sequence] = []
         if self.speculator is not None and self.speculator.wants_drafts(self.scheduler.running):
-            outputs, num_sampled = self._resolve_inflight()
+            advanced, num_sampled = self._resolve_inflight()
             drafted = self.speculator.propose(self.scheduler.running)
         sync = not self.async_scheduling or bool(drafted)
         sched = self.scheduler.schedule()
@@ -268,7 +302,7 @@ class LLMEngine:
             seq.draft_ids = []
         if self._inflight is not None:  # the previous step's tokens (its successor is already queued)
             more, n = self._resolve_inflight()
-            outputs, num_sampled = outputs + more, num_sampled + n
+            advanced, num_sampled = _merge(advanced, more), num_sampled + n
         if launched is not None:
             handle, sched, batch = launched
             pending = self.scheduler.on_step_done(sched)
@@ -279,64 +313,63 @@ class LLMEngine:
             else:
                 result = handle.result() if batch.sampling.deferred else handle  # execute() gave the result itself
                 more, n = self._resolve(result, pending, (batch, sched.seqs))
-                outputs, num_sampled = outputs + more, num_sampled + n
-        elif self.scheduler.has_unfinished() and not outputs and not num_sampled:
+                advanced, num_sampled = _merge(advanced, more), num_sampled + n
+        elif self.scheduler.has_unfinished() and not advanced and not num_sampled:
             raise RuntimeError("scheduler made no progress with requests pending (KV cache too small?)")
         self.num_prompt_tokens += num_prefill
         self.num_generation_tokens += num_sampled
-        return outputs, num_prefill, num_sampled
+        return advanced, num_prefill, num_sampled
 
-    def _resolve_inflight(self) -> tuple[list[StepOutput], int]:
+    def _resolve_inflight(self) -> tuple[Advanced, int]:
         if self._inflight is None:
             return [], 0
         handle, pending, step = self._inflight
         self._inflight = None
         return self._resolve(handle.result(), pending, step)
 
-    def _resolve(self, result, pending: list[tuple[Sequence, int]], step) -> tuple[list[StepOutput], int]:
+    def _resolve(self, result, pending: list[tuple[Sequence, int]], step) -> tuple[Advanced, int]:
         """Put a step's sampled tokens in place of its placeholders, then check each sequence for a stop. A sequence
         that verified drafts gets the accepted ones and one more token, checked one at a time; the accepted drafts
         count as computed (their K/V is in the cache). `step`: (the StepBatch, its sequences), for the prompt
-        log-probabilities it computed. Returns the outputs and the number of tokens emitted."""
+        log-probabilities it computed. Returns the sequences' new tokens (`Advanced`) and how many were emitted."""
         now = time.monotonic()
         batch, seqs = step
         if batch.prompt_lp_rows:
             self._record_prompt_logprobs(result, batch, seqs)
         db = batch.sampling.drafts
         verified = {} if db is None else dict(zip(db.first_rows, zip(db.num_drafts, result.num_accepted)))
-        outputs = []
+        advanced = []
         broke = self._advance_matchers(result, pending)
         emitted = 0
         for seq, row in pending:
             if seq.is_finished:  # aborted while its step was in flight
                 continue
             tok = result.token_ids[row]
-            seq.token_ids[seq.num_prompt_tokens + seq.num_output_tokens - 1] = tok
+            start = seq.num_prompt_tokens + seq.num_output_tokens - 1  # its placeholder
+            seq.token_ids[start] = tok
             seq.pending_row = None
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            emitted += 1
             reason = self._accept_token(seq, tok, result, row, seq.seq_id not in broke)
+            count = 1
             if verified and row in verified:  # the accepted drafts, then the token after them
                 num_drafts, accepted = verified[row]
                 self.speculator.record(seq, num_drafts, accepted)
-                i = 0
-                while reason is None and i < accepted:
-                    i += 1
-                    tok = result.token_ids[row + i]
+                while reason is None and count <= accepted:
+                    tok = result.token_ids[row + count]
                     seq.append_token(tok)
-                    emitted += 1
-                    reason = self._accept_token(seq, tok, result, row + i)
+                    reason = self._accept_token(seq, tok, result, row + count)
+                    count += 1
                 if reason is None and accepted:  # their K/V stays; blocks holding them can be registered now
                     seq.num_computed_tokens += accepted
                     self.block_manager.register_full_blocks(seq)
+            emitted += count
             if reason is not None:
                 self._finish(seq, reason)
                 if all(s.is_finished for s in self.requests.get(seq.request_id, ())):
                     self.requests.pop(seq.request_id, None)
-            if seq.is_finished or seq.stream:
-                outputs.append(self._make_output(seq, now))
-        return outputs, emitted
+            advanced.append((seq, start, count))
+        return advanced, emitted
 
     def _advance_matchers(self, result, pending: list[tuple[Sequence, int]]) -> set[int]:
         """Advance the grammar matchers of a step's constrained sequences with their tokens, in one batched call

@@ -49,7 +49,8 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections import deque
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from nanovllm.config import SCHEDULING_POLICIES
@@ -61,6 +62,45 @@ def is_decode_row(seq: Sequence, n: int) -> bool:
     """A decode row: the sequence computes one token, its last known one, so the step samples its next token
     from that row (a decode step proper, or a prompt's last token)."""
     return n == 1 and seq.num_computed_tokens == seq.num_tokens - 1
+
+
+class WaitingQueue:
+    """The waiting sequences in scheduling order, with O(1) removal of any one of them (an abort), so that
+    aborting a request costs what the request holds, not what the queue holds."""
+
+    def __init__(self):
+        self._seqs: OrderedDict[Sequence, None] = OrderedDict()  # a Sequence hashes by identity
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def __bool__(self) -> bool:
+        return bool(self._seqs)
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return iter(self._seqs)
+
+    def __contains__(self, seq: Sequence) -> bool:
+        return seq in self._seqs
+
+    def first(self) -> Sequence:
+        return next(iter(self._seqs))
+
+    def append(self, seq: Sequence) -> None:
+        self._seqs[seq] = None
+
+    def appendleft(self, seq: Sequence) -> None:
+        self._seqs[seq] = None
+        self._seqs.move_to_end(seq, last=False)
+
+    def popleft(self) -> Sequence:
+        return self._seqs.popitem(last=False)[0]
+
+    def remove(self, seq: Sequence) -> None:
+        del self._seqs[seq]
+
+    def sort(self, key: Callable[[Sequence], object]) -> None:
+        self._seqs = OrderedDict.fromkeys(sorted(self._seqs, key=key))
 
 
 @dataclass
@@ -98,7 +138,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
         self.step_sizes = sorted(step_sizes)
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitingQueue()
         self._waiting_work = 0  # balanced policy: tokens the waiting sequences will compute (prompt + max_tokens)
         self._unsorted = False  # requests were added since `waiting` was last put in the policy's order
         self.running: list[Sequence] = []
@@ -115,7 +155,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Mark a running or waiting sequence finished and release its blocks."""
+        """Mark a running or waiting sequence finished and release its blocks. O(1) for a waiting sequence (an
+        abort of a queued request), O(max_num_seqs) for a running one."""
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status == SequenceStatus.WAITING:
@@ -135,8 +176,8 @@ class Scheduler:
         if balanced and self._unsorted:
             # preempted sequences stay in front (they have waited longest), then those of unknown length (never
             # held back), then longest max_tokens first
-            self.waiting = deque(sorted(self.waiting, key=lambda s: (s.num_preemptions == 0, s.fixed_length,
-                                                                     -s.max_tokens if s.fixed_length else 0)))
+            self.waiting.sort(key=lambda s: (s.num_preemptions == 0, s.fixed_length,
+                                             -s.max_tokens if s.fixed_length else 0))
         self._unsorted = False
         # tokens of prompt (or recomputation) work this step may take; decode tokens never wait for it
         prefill_budget, horizon, hold = self._prefill_target() if balanced else (budget, 0, False)
@@ -184,7 +225,7 @@ class Scheduler:
 
         # 2. waiting sequences (new, or preempted earlier); none while we are short of blocks
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
-            seq = self.waiting[0]
+            seq = self.waiting.first()
             if not self._prefix_ready(seq):
                 break  # a later sample of a request whose first one is still computing the prompt
             urgent = self._urgent(seq, horizon)

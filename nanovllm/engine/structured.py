@@ -49,6 +49,31 @@ def _ebnf_literal(s: str) -> str:
     return json.dumps(s)  # a JSON string literal is a valid GBNF string literal (same escapes)
 
 
+def _choice_ebnf(choice: list[str]) -> str:
+    return "root ::= " + " | ".join(map(_ebnf_literal, choice))
+
+
+def _spec_error(kind: str, e: Exception) -> ValueError:
+    msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+    return ValueError(f"structured_outputs.{kind} is not valid: {msg}")
+
+
+def check_spec(spec: StructuredOutputsParams) -> None:
+    """Parse a spec without a vocabulary (no token masks: cheap), ValueError naming it if malformed: the API server
+    answers a malformed spec with a 400 this way before the engine core compiles it."""
+    xgr = _import_xgrammar()
+    kind, text = spec_key(spec)
+    try:
+        if kind == "json":
+            xgr.Grammar.from_json_schema(text, any_whitespace=False)
+        elif kind == "regex":
+            xgr.Grammar.from_regex(text)
+        elif kind in ("choice", "grammar"):
+            xgr.Grammar.from_ebnf(_choice_ebnf(spec.choice) if kind == "choice" else text)
+    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / its own types for bad specs
+        raise _spec_error(kind, e) from None
+
+
 class StructuredOutputs:
     """The engine's grammars: compile (cached), a matcher per sequence, bitmasks for a step's rows."""
 
@@ -78,12 +103,11 @@ class StructuredOutputs:
             elif kind == "regex":
                 compiled = self.compiler.compile_regex(text)
             elif kind == "choice":
-                compiled = self.compiler.compile_grammar("root ::= " + " | ".join(map(_ebnf_literal, spec.choice)))
+                compiled = self.compiler.compile_grammar(_choice_ebnf(spec.choice))
             else:
                 compiled = self.compiler.compile_grammar(text)
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / its own types for bad specs
-            msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            raise ValueError(f"structured_outputs.{kind} is not valid: {msg}") from None
+            raise _spec_error(kind, e) from None
         self._cache[key] = compiled
         if len(self._cache) > CACHE_SIZE:
             self._cache.popitem(last=False)

@@ -1,8 +1,9 @@
-"""OpenAI-compatible HTTP server (`nanovllm serve`), built on an asynchronous wrapper of LLMEngine.
+"""OpenAI-compatible HTTP server (`nanovllm serve`): an API process in front of an engine-core process.
 
-Only `async_engine` and `metrics` are importable without the server extra; `api` needs FastAPI and
-`cli` imports FastAPI/uvicorn only when the `serve` command runs.
+See docs/server.md. `core_client`, `config` and `metrics` are importable without the server extra; `api` and
+`serving` need FastAPI, and `cli` imports FastAPI/uvicorn only when the `serve` command runs.
 """
-from nanovllm.server.async_engine import AsyncEngine, EngineDeadError, RequestAbortedError, RequestFailedError
+from nanovllm.server.config import ServerConfig
+from nanovllm.server.core_client import EngineCoreClient, EngineDeadError, RequestFailedError
 
-__all__ = ["AsyncEngine", "EngineDeadError", "RequestAbortedError", "RequestFailedError"]
+__all__ = ["EngineCoreClient", "EngineDeadError", "RequestFailedError", "ServerConfig"]

@@ -1,13 +1,16 @@
-"""`nanovllm serve MODEL [--host] [--port] [--api-key] [--served-model-name] [engine args]`.
+"""`nanovllm serve MODEL [--host] [--port] [--api-key] [--served-model-name] [server limits] [engine args]`.
 
-Importing this module needs neither FastAPI nor uvicorn (the server is an optional extra); they are
-imported when the command runs, with a clear message if they are missing.
+Two processes: this one (HTTP, tokenization, detokenization) and the engine core it starts (the engine and its
+tensor-parallel workers), see docs/server.md. Importing this module needs neither FastAPI nor uvicorn (the
+server is an optional extra); they are imported when the command runs, with a clear message if they are missing.
+Exit status: 0 after a clean shutdown (SIGTERM/SIGINT), 1 if the engine died, 2 for a bad configuration.
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -16,7 +19,9 @@ INSTALL_HINT = "the server needs the optional 'server' extra: pip install -e '.[
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     from nanovllm.cli import HelpFormatter, add_engine_args
+    from nanovllm.server.config import ServerConfig
 
+    d = ServerConfig()
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                               formatter_class=HelpFormatter,
                               description="Serve MODEL over an OpenAI-compatible HTTP API "
@@ -25,12 +30,23 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="checkpoint directory or Hugging Face id (default: a built-in tiny model, random weights)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback only by default)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
-    p.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY"),
+    p.add_argument("--api-key", default=None,   # (the environment's key is read later: --help must not show it)
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $NANOVLLM_API_KEY, else none)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use in 'model' (default: the MODEL path)")
+    p.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
+                   help="larger request bodies are refused with 413")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests bring their own chat template (default: refused with 400)")
+    p.add_argument("--chat-template-timeout", type=float, default=d.chat_template_timeout,
+                   help="seconds a chat template may take to render")
+    p.add_argument("--engine-step-timeout", type=float, default=d.engine_step_timeout,
+                   help="seconds without a finished step, with requests in flight, after which the engine counts "
+                        "as stalled and the server exits with status 1")
+    p.add_argument("--graceful-shutdown-timeout", type=float, default=d.graceful_shutdown_timeout,
+                   help="on SIGTERM/SIGINT, seconds requests in flight get to finish")
     p.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+                   choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
     p.add_argument("--disable-access-log", action="store_true", help="do not log every HTTP request")
     add_engine_args(p)
     p.set_defaults(func=serve_command)
@@ -52,35 +68,100 @@ def check_serve_args(ns: argparse.Namespace) -> None:
         raise ValueError(f"--port must be in 1..65535, got {ns.port}")
     if not ns.host:
         raise ValueError("--host must not be empty")
+    server_config(ns)   # the server's own limits
     check_engine_args(ns.model, {"scheduling_policy": "fcfs", **engine_kwargs(ns)})
+
+
+def server_config(ns: argparse.Namespace):
+    from nanovllm.server.config import ServerConfig
+    return ServerConfig(served_model_names=tuple(ns.served_model_name or ()),
+                        api_key=ns.api_key or os.environ.get("NANOVLLM_API_KEY") or None,
+                        max_request_body_bytes=ns.max_request_body_bytes,
+                        trust_request_chat_template=ns.trust_request_chat_template,
+                        chat_template_timeout=ns.chat_template_timeout, engine_step_timeout=ns.engine_step_timeout,
+                        graceful_shutdown_timeout=ns.graceful_shutdown_timeout)
+
+
+def load_tokenizer(path: str, required: bool):
+    """The tokenizer the API process uses (the engine core loads its own); None if there is none and none is
+    required (random-weight benchmarks on a bare config.json: token-id prompts only)."""
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - surfaced as a clear user error
+        if required:
+            raise ValueError(f"could not load a tokenizer from {path!r}: {e}") from e
+        logging.getLogger(__name__).warning("no tokenizer in %s: only token-id prompts are accepted", path)
+        return None
+
+
+def make_uvicorn_server(app, **config):
+    """A uvicorn server whose first SIGTERM/SIGINT drains the app (`Lifecycle.drain`) instead of stopping at
+    once; a second one stops it at once."""
+    import uvicorn
+
+    life = app.state.lifecycle
+
+    class Server(uvicorn.Server):
+        signalled = False
+
+        def handle_exit(self, sig, frame):
+            # (not uvicorn's: it would re-raise the signal after a graceful exit, so the exit status would not be 0)
+            if self.signalled or not self.started:
+                self.should_exit = True
+                self.force_exit = self.signalled
+                return
+            self.signalled = True
+            loop = life.loop
+            loop.call_soon_threadsafe(lambda: loop.create_task(life.drain()))
+
+    server = Server(uvicorn.Config(app, **config))
+    life.stop = lambda: setattr(server, "should_exit", True)
+    return server
 
 
 def serve_command(ns: argparse.Namespace) -> int:
     try:
         import fastapi  # noqa: F401
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError as e:
         print(f"nanovllm serve: {INSTALL_HINT} (missing: {e.name})", file=sys.stderr)
         return 1
     from nanovllm.cli import default_model
-    from nanovllm.engine.llm_engine import LLMEngine
     from nanovllm.server.api import build_app
+    from nanovllm.server.core_client import EngineCoreClient
+    from nanovllm.utils.hub import resolve_model_dir
 
     check_serve_args(ns)
     ns.model = default_model(ns.model)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # the pipe threads (core_client.py) wait for the GIL while the event loop works: at most 1 ms, not Python's
+    # default 5 ms, between a request and its hand-off to the engine core (or a step's outputs and the loop)
+    sys.setswitchinterval(0.001)
+    args = server_engine_args(ns)
+    config = server_config(ns)
+    # the API process's own tokenizer, from where the engine core finds it too (a Hugging Face id: its cache)
+    tok_dir = resolve_model_dir(args.tokenizer, args.tokenizer_revision, args.download_dir, "tokenizer") \
+        if args.tokenizer is not None else resolve_model_dir(args.model, args.revision, args.download_dir)
+    tokenizer = load_tokenizer(tok_dir, required=args.load_format != "dummy")
     t0 = time.perf_counter()
-    engine = LLMEngine(server_engine_args(ns))
-    print(f"[nanovllm] engine ready in {time.perf_counter() - t0:.1f}s (device={engine.config.device}, "
-          f"dtype={engine.config.dtype}, max_model_len={engine.config.max_model_len}, "
-          f"kv blocks={engine.block_manager.num_blocks})", file=sys.stderr)
+    client = EngineCoreClient(args, step_timeout=config.engine_step_timeout)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)   # a SIGTERM during start-up stops it cleanly too
     try:
-        app = build_app(engine, ns.served_model_name, ns.api_key)
+        info = client.start()
+        print(f"[nanovllm] engine core ready in {time.perf_counter() - t0:.1f}s (pid {info.pid}, "
+              f"device={info.device}, dtype={info.dtype}, max_model_len={info.max_model_len}, "
+              f"kv blocks={info.num_kvcache_blocks})", file=sys.stderr)
+        app = build_app(client, tokenizer, config)
         names = ", ".join(app.state.server.names)
         print(f"[nanovllm] serving {names} on http://{ns.host}:{ns.port}/v1"
-              + (" (API key required)" if ns.api_key else ""), file=sys.stderr)
-        uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
-                    access_log=not ns.disable_access_log, timeout_keep_alive=30, timeout_graceful_shutdown=5)
+              + (" (API key required)" if config.api_key else ""), file=sys.stderr)
+        server = make_uvicorn_server(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
+                                     access_log=not ns.disable_access_log, timeout_keep_alive=30,
+                                     timeout_graceful_shutdown=5)
+        server.run()
+        return app.state.lifecycle.exit_code
+    except KeyboardInterrupt:
+        return 0
     finally:
-        engine.shutdown()
-    return 0
+        client.close()

@@ -1,7 +1,9 @@
 """Server metrics in the Prometheus text exposition format (version 0.0.4), written by hand.
 
 No dependency on prometheus_client: the few metric kinds needed here (counters, gauges, histograms with
-fixed buckets) are simple to render, and the engine thread records into them under one lock.
+fixed buckets) are simple to render. Request latencies are measured in the API process, as its clients see
+them (from the request's submission to its tokens' arrival); the engine's gauges and counters come from the
+EngineStats of the engine core's latest message.
 """
 from __future__ import annotations
 
@@ -67,7 +69,7 @@ class Histogram:
 
 
 class ServerMetrics:
-    """Request-level metrics recorded by the engine loop; gauges and engine counters come from a snapshot."""
+    """Request-level metrics recorded by the API process; gauges and engine counters come from EngineStats."""
 
     FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -93,8 +95,8 @@ class ServerMetrics:
         with self.lock:
             self.finished["abort"] += n
 
-    def render(self, stats: dict, model_name: str) -> str:
-        """The exposition text; `stats` is the engine snapshot (see AsyncEngine.stats)."""
+    def render(self, stats, model_name: str) -> str:
+        """The exposition text; `stats` is the engine's latest EngineStats (engine/core_protocol.py)."""
         lab = {"model_name": model_name}
         lines: list[str] = []
 
@@ -106,27 +108,26 @@ class ServerMetrics:
         def simple(name, kind, help_, value, extra=None):
             metric(name, kind, help_, [f"{name}{_labels({**lab, **(extra or {})})} {_num(value)}"])
 
-        simple("nanovllm:num_requests_running", "gauge", "Requests in the running batch.", stats["num_running"])
-        simple("nanovllm:num_requests_waiting", "gauge", "Requests waiting to be scheduled.", stats["num_waiting"])
+        simple("nanovllm:num_requests_running", "gauge", "Requests in the running batch.", stats.num_running)
+        simple("nanovllm:num_requests_waiting", "gauge", "Requests waiting to be scheduled.", stats.num_waiting)
         simple("nanovllm:kv_cache_usage_perc", "gauge", "Fraction of KV cache blocks in use (0 to 1).",
-               float(stats["kv_usage"]))
-        simple("nanovllm:kv_cache_free_blocks", "gauge", "Free KV cache blocks.", stats["num_free_blocks"])
-        simple("nanovllm:kv_cache_total_blocks", "gauge", "KV cache blocks in all.", stats["num_blocks"])
+               float(stats.kv_usage))
+        simple("nanovllm:kv_cache_free_blocks", "gauge", "Free KV cache blocks.", stats.num_free_blocks)
+        simple("nanovllm:kv_cache_total_blocks", "gauge", "KV cache blocks in all.", stats.num_blocks)
         simple("nanovllm:prompt_tokens_total", "counter", "Prompt tokens computed (prefill).",
-               stats["prompt_tokens"])
-        simple("nanovllm:generation_tokens_total", "counter", "Tokens generated.", stats["generation_tokens"])
+               stats.prompt_tokens)
+        simple("nanovllm:generation_tokens_total", "counter", "Tokens generated.", stats.generation_tokens)
         simple("nanovllm:num_preemptions_total", "counter", "Sequences preempted for lack of KV blocks.",
-               stats["num_preemptions"])
-        simple("nanovllm:prefix_cache_queries_total", "counter", "Prefix cache lookups.", stats["prefix_queries"])
-        simple("nanovllm:prefix_cache_hits_total", "counter", "Prefix cache hits.", stats["prefix_hits"])
-        spec = stats.get("spec")
-        if spec is not None:  # speculative decoding (vLLM's names)
+               stats.num_preemptions)
+        simple("nanovllm:prefix_cache_queries_total", "counter", "Prefix cache lookups.", stats.prefix_queries)
+        simple("nanovllm:prefix_cache_hits_total", "counter", "Prefix cache hits.", stats.prefix_hits)
+        if stats.spec_decode:  # speculative decoding (vLLM's names)
             simple("nanovllm:spec_decode_num_drafts_total", "counter", "Sequence-steps that verified draft tokens.",
-                   spec["num_drafts"])
+                   stats.spec_num_drafts)
             simple("nanovllm:spec_decode_num_draft_tokens_total", "counter", "Draft tokens verified.",
-                   spec["num_draft_tokens"])
+                   stats.spec_num_draft_tokens)
             simple("nanovllm:spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.",
-                   spec["num_accepted_tokens"])
+                   stats.spec_num_accepted_tokens)
         with self.lock:
             metric("nanovllm:request_success_total", "counter", "Requests finished, by finish reason.",
                    [f"nanovllm:request_success_total{_labels({**lab, 'finished_reason': r})} {n}"

@@ -2,17 +2,22 @@
 
 Like OpenAI, fields the server does not know are ignored; a known field with the wrong type is a 400
 (validation is strict: "1" is not an int, true is not a number). Values are range-checked by
-SamplingParams itself, whose ValueError/TypeError also becomes a 400.
+SamplingParams itself, whose ValueError/TypeError also becomes a 400. A body that is not JSON, nests deeper
+than Python's parser goes, or holds a lone UTF-16 surrogate (which no tokenizer or UTF-8 writer can take) is a
+400 too.
 """
 from __future__ import annotations
 
 import json
 import re
+import sys
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from nanovllm.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams, StructuredOutputsParams
+
+MAX_CHOICES = 1024   # prompts x n of one request: each choice is a sequence of the engine
 
 
 class APIError(Exception):
@@ -213,7 +218,8 @@ class ChatMessage(BaseModel):
     def text(self, i: int) -> str:
         c = self.content
         if c is None:
-            return ""
+            raise bad_request(f"messages[{i}].content is required (a string or a list of text parts)",
+                              f"messages.{i}.content")
         if isinstance(c, str):
             return c
         out = []
@@ -231,6 +237,7 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool | None = True
+    chat_template: str | None = None                  # vLLM's: a client's own template (only if trusted)
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
 
@@ -265,6 +272,7 @@ class TokenizeRequest(_Strict):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = True
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -279,16 +287,51 @@ _FRIENDLY = {
 }
 
 
+# a surrogate as a \uD800-\uDFFF escape, or encoded as UTF-8 bytes (json.loads lets those through too)
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
+def _lone_surrogate_path(obj) -> str | None:
+    """Where a string holding a lone surrogate sits in a parsed body (a dotted path, printable), or None.
+    Iterative: the body may be deep."""
+    stack = [(obj, "")]
+    while stack:
+        x, path = stack.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "(the body)"
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                name = k.encode("utf-8", "backslashreplace").decode("utf-8")
+                key_path = f"{path}.{name}" if path else name
+                stack.append((k, key_path))
+                stack.append((v, key_path))
+        elif isinstance(x, list):
+            stack.extend((v, f"{path}.{i}") for i, v in enumerate(x))
+    return None
+
+
 def parse_body(raw: bytes, model_cls: type[BaseModel]):
     """JSON bytes -> a validated request model, or an APIError(400)."""
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, f"the request body nests deeper than {sys.getrecursionlimit()} levels",
+                       code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    # rare: a pair of escapes is a valid character, a lone surrogate is not text
+    if _SURROGATE.search(raw) and (where := _lone_surrogate_path(data)) is not None:
+        raise APIError(400, f"{where}: a string holds a lone UTF-16 surrogate, which is not valid text",
+                       param=where.split(".")[0], code="invalid_value")
     try:
         return model_cls.model_validate(data)
+    except RecursionError:
+        raise APIError(400, "the request body nests too deep", code="invalid_json") from None
     except ValidationError as e:
         err = e.errors()[0]
         loc = err.get("loc") or ()
