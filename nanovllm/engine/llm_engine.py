@@ -9,9 +9,7 @@ prompt blocks are in the prefix cache, so they share them.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
-import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -27,6 +25,7 @@ from nanovllm.engine.sampling_features import RequestFeatures, SlotAllocator, la
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.spec.speculator import Speculator
+from nanovllm.engine.tokenizer import eos_ids, load_tokenizer
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -62,29 +61,6 @@ def _merge(advanced: Advanced, more: Advanced) -> Advanced:
     return advanced
 
 
-def _load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as e:  # noqa: BLE001 - surfaced as a clear user error
-        raise ValueError(f"could not load a tokenizer from {path!r}: {e}") from e
-
-
-def _eos_ids(model_dir: str, config_eos: tuple[int, ...], tokenizer) -> frozenset[int]:
-    """EOS ids as transformers' generate sees them: generation_config.json first, then config.json."""
-    path = os.path.join(model_dir, "generation_config.json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            eos = json.load(f).get("eos_token_id")
-        if eos is not None:
-            return frozenset(eos if isinstance(eos, list) else [eos])
-    if config_eos:
-        return frozenset(config_eos)
-    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
-        return frozenset([tokenizer.eos_token_id])
-    return frozenset()
-
-
 class LLMEngine:
     def __init__(self, args: EngineArgs):
         t0 = time.perf_counter()
@@ -94,14 +70,14 @@ class LLMEngine:
             if args.tokenizer is not None:
                 from nanovllm.utils.hub import resolve_model_dir
                 tok_dir = resolve_model_dir(args.tokenizer, args.tokenizer_revision, args.download_dir, "tokenizer")
-            self.tokenizer = _load_tokenizer(tok_dir)
+            self.tokenizer = load_tokenizer(tok_dir)
         except ValueError:
             if args.load_format != "dummy":
                 raise
             # benchmarks on a bare config.json: token-id prompts only, outputs carry no text
             logger.warning("no tokenizer in %s: only token-id prompts are accepted", self.config.model_dir)
             self.tokenizer = None
-        self.eos_token_ids = _eos_ids(self.config.model_dir, self.config.model.eos_token_ids, self.tokenizer)
+        self.eos_token_ids = eos_ids(self.config.model_dir, self.config.model.eos_token_ids, self.tokenizer)
         self.runner: Executor = self._make_runner()
         self.block_manager = BlockManager(self.runner.num_kvcache_blocks, self.config.block_size,
                                           args.enable_prefix_caching)
