@@ -10,6 +10,16 @@
 #   online06   the server bench (benchmarks/online_bench.py) on Qwen3-0.6B at RATES (default 16,64,inf) requests/s.
 #              Needs fastapi and uvicorn: carry their wheels (.whl) and start the device command with the wheel
 #              install from the device README (pip install --target /tmp/site ... && export PYTHONPATH=/tmp/site)
+#   moe30b     ... on Qwen3-30B-A3B (MoE), one GPU
+#   fp8        ... on Qwen3-8B with FP8 weights, then FP8 weights + FP8 KV cache
+#   spec       speculative decoding: trains the copy model (benchmarks/train_tiny.py, once per machine), then its
+#              copy workload with and without SPEC_CONFIG (default n-gram, SPEC_K=12 drafts) at SPEC_BATCHES
+#              (default 1 16 256) concurrent requests; and the reference workload on Qwen3-0.6B without and with it
+#   sampling   decode step time with a JSON schema / penalties / logit bias / n on 256 rows vs plain
+#              (benchmarks/bench_sampling_features.py; the JSON mode needs xgrammar: carry its wheels as above)
+#   attention  the prefill kernel against torch SDPA (benchmarks/kernel_bench.py attention)
+#   moe_sweep  the fused-MoE tile sweep for Qwen3-30B-A3B's expert shape at MOE_TOKENS (benchmarks/kernel_bench.py
+#              moe): prints the MOE_CONFIGS entry to paste into nanovllm/kernels/moe_configs.py
 #   profile06, profile8   where a step's time goes (benchmarks/profile_step.py): step timings and kernel tables
 #   compare    bench_offline on MODEL (default benchmarks/models/qwen3-8b; more flags in BENCH_ARGS) twice in this
 #              call: at BASELINE_DIR (an older copy of the repo), then at this tree; prints current / baseline.
@@ -38,6 +48,13 @@ bench() {  # name, limit_s, model dir, more bench_offline flags...
   shift 3
   run "$name" "$limit" python3 benchmarks/bench_offline.py --model "$model" --load-format dummy \
     --json "$OUT/bench.jsonl" --label "${LABEL:+$LABEL }$name" --step-log "$OUT/steps-$name.json" --gpu-idle "$@"
+}
+
+quick() {  # bench without the step log and GPU-idle timing: pairs of runs compared with each other
+  local name=$1 limit=$2 model=$3
+  shift 3
+  run "$name" "$limit" python3 benchmarks/bench_offline.py --model "$model" --load-format dummy \
+    --json "$OUT/bench.jsonl" --label "${LABEL:+$LABEL }$name" "$@"
 }
 
 compare() {  # MODEL at BASELINE_DIR, then at this tree (same config file), and the ratio of their tok/s
@@ -79,6 +96,25 @@ for s in $steps; do
         run online06 400 python3 benchmarks/online_bench.py --model benchmarks/models/qwen3-0.6b --load-format dummy \
           --max-model-len 4096 --rates "${RATES:-16,64,inf}" --output "$OUT/online06.json"
       fi ;;
+    moe30b) bench moe30b 300 benchmarks/models/qwen3-30b-a3b ;;
+    fp8)
+      bench fp8 300 benchmarks/models/qwen3-8b --quantization fp8
+      bench fp8kv 300 benchmarks/models/qwen3-8b --quantization fp8 --kv-cache-dtype fp8 ;;
+    spec)
+      copy=${COPY_MODEL:-/tmp/copy-model}
+      [ -f "$copy/config.json" ] || run train_copy 200 python3 benchmarks/train_tiny.py "$copy"
+      spec=${SPEC_CONFIG:-'{"method": "ngram", "num_speculative_tokens": '${SPEC_K:-12}', "prompt_lookup_max": 4}'}
+      for b in ${SPEC_BATCHES:-1 16 256}; do
+        TAIL=3 quick "copy-b$b" 120 "$copy" --workload copy --batch "$b"
+        TAIL=4 quick "copy-b$b-spec" 120 "$copy" --workload copy --batch "$b" --speculative-config "$spec"
+      done
+      TAIL=3 quick ref06 200 benchmarks/models/qwen3-0.6b
+      TAIL=4 quick ref06-spec 200 benchmarks/models/qwen3-0.6b --speculative-config "$spec" ;;
+    sampling) run sampling 300 python3 benchmarks/bench_sampling_features.py --model benchmarks/models/qwen3-0.6b \
+                --rows 256 --tokens 128 --modes "${SAMPLING_MODES:-plain,json,penalties,bias,n}" ;;
+    attention) TAIL=40 run attention 300 python3 benchmarks/kernel_bench.py attention ;;
+    moe_sweep) TAIL=60 run moe_sweep 560 python3 benchmarks/kernel_bench.py moe --tokens ${MOE_TOKENS:-256 1024 4096 8192} \
+                 --json "$OUT/moe_sweep.json" ;;
     profile06) TAIL=70 run profile06 300 python3 benchmarks/profile_step.py --model benchmarks/models/qwen3-0.6b \
                  --load-format dummy --out "$OUT/profile06" ;;
     profile8) TAIL=70 run profile8 400 python3 benchmarks/profile_step.py --model benchmarks/models/qwen3-8b \

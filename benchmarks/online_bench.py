@@ -148,6 +148,13 @@ async def _send_shard(base_url, model, api_key, prompts, max_tokens, idx, arriva
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     limits = httpx.Limits(max_connections=len(idx) + 8, max_keepalive_connections=len(idx) + 8)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=60), limits=limits) as client:
+        # a first request before the run starts: the client's lazy imports and first connection (~0.1 s) would
+        # otherwise land in the TTFT of each client process's first request (the tail of TTFT at low rates)
+        try:
+            await client.get(base_url.rstrip("/") + "/health", headers=headers)
+        except httpx.HTTPError:
+            pass
+
         async def one(i):
             delay = start_wall + arrivals[i] - time.time()
             if delay > 0:
@@ -161,6 +168,7 @@ async def _send_shard(base_url, model, api_key, prompts, max_tokens, idx, arriva
                 async with sem:
                     rec = await send_one(client, url, headers, payload)
             rec["end_wall"] = time.time()
+            rec["arrival_s"] = arrivals[i]
             return rec
 
         return await asyncio.gather(*(one(i) for i in idx))
@@ -205,6 +213,9 @@ async def run_rate(base_url: str, model: str, api_key: str | None, prompts, max_
         "tpot_s": summary(tpot),
         "itl_s": summary([x for r in ok for x in r["itl"]]),
         "latency_s": summary([r["latency"] for r in ok]),
+        # the tail's requests: when they arrived (seconds into the run) tells a cold start from a load spike
+        "ttft_slowest": [{"ttft_s": r["ttft"], "arrival_s": r["arrival_s"], "prompt_tokens": r["prompt_tokens"]}
+                         for r in sorted(ok, key=lambda r: r["ttft"], reverse=True)[:5]],
     }
 
 
@@ -292,6 +303,11 @@ def scrape_metrics(base_url: str) -> dict:
         m = re.search(rf"^nanovllm:{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
         if m:
             out[name] = float(m.group(1))
+    # the server's own TTFT (API process: request in -> first token out), as requests at or under each bound
+    for m in re.finditer(r'^nanovllm:time_to_first_token_seconds_bucket{(?:[^}]*,)?le="([^"]+)"[^}]*} (\S+)$', text,
+                         re.M):
+        if m.group(1) in ("0.02", "0.04", "0.1"):
+            out[f"ttft_le_{m.group(1)}s"] = out.get(f"ttft_le_{m.group(1)}s", 0.0) + float(m.group(2))
     return out
 
 
