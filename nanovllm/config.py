@@ -117,11 +117,15 @@ class EngineArgs:
 
 SCHEDULING_POLICIES = ("fcfs", "balanced")  # see nanovllm.engine.scheduler
 SPECULATIVE_METHODS = ("ngram",)  # see nanovllm.engine.spec
-# A verification step of the default size fits the smallest mixed-step CUDA graph (engine/cuda_graphs.py): with k
-# draft tokens, speculation runs while at most SPEC_MAX_STEP_TOKENS // (1 + k) sequences are running (vLLM's
-# disable_by_batch_size), so a step verifies at most this many tokens. Up to about this many rows a forward pass
-# of a model on an H200 costs what one row does (it is bound by reading the weights), so the drafts ride for free.
+# A step that verifies drafts holds at most SPEC_MAX_STEP_TOKENS tokens (its sequences' rows plus their drafts), so
+# it fits the smallest mixed-step CUDA graph (engine/cuda_graphs.py): up to about this many rows a forward pass of a
+# model on an H200 costs what one row does (it is bound by reading the weights), so the drafts ride for free. The
+# speculating sequences share the draft tokens that leaves (each at most k), so one sequence verifies k drafts and
+# 16 verify 7 each. Speculation runs while at most SPEC_MAX_STEP_TOKENS // (1 + min(k, SPEC_MIN_DRAFTS)) sequences
+# are running (vLLM's disable_by_batch_size; 32 for k >= 3): with fewer drafts each, a synchronous verification
+# step costs more than it saves.
 SPEC_MAX_STEP_TOKENS = 128
+SPEC_MIN_DRAFTS = 3
 
 
 @dataclass(frozen=True)
@@ -132,19 +136,24 @@ class SpeculativeConfig:
     most draft tokens a sequence verifies per step. prompt_lookup_max / prompt_lookup_min: the longest / shortest
     n-gram matched (vLLM's defaults: both 5 when neither is given, else the one given for both).
     disable_by_batch_size: no speculation in a step with more than this many running sequences (default
-    SPEC_MAX_STEP_TOKENS // (1 + k)): a large batch is bound by compute, where drafts cost what they save."""
+    SPEC_MAX_STEP_TOKENS // (1 + min(k, SPEC_MIN_DRAFTS))): a large batch is bound by compute, where drafts cost
+    what they save. max_step_tokens: the most tokens (rows + drafts) a verification step holds; the speculating
+    sequences share the drafts that leaves. SPEC_MAX_STEP_TOKENS, or, where disable_by_batch_size is given, enough
+    for that many sequences with k drafts each (not a vLLM key: derived)."""
     method: str
     num_speculative_tokens: int
     prompt_lookup_max: int
     prompt_lookup_min: int
     disable_by_batch_size: int
+    max_step_tokens: int = SPEC_MAX_STEP_TOKENS
 
     KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
 
     @property
     def max_draft_tokens(self) -> int:
-        """The most draft tokens one step can verify (every speculating sequence with k drafts)."""
-        return self.disable_by_batch_size * self.num_speculative_tokens
+        """The most draft tokens one step can verify: k for each of disable_by_batch_size sequences, within the
+        step's token budget (at least one row)."""
+        return min(self.disable_by_batch_size * self.num_speculative_tokens, self.max_step_tokens - 1)
 
     @classmethod
     def from_dict(cls, d: dict | None) -> SpeculativeConfig | None:
@@ -181,9 +190,11 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config['prompt_lookup_min'] ({lo}) must be <= prompt_lookup_max ({hi})")
         batch = int_value("disable_by_batch_size")
         if batch is None:
-            batch = max(1, SPEC_MAX_STEP_TOKENS // (1 + k))
+            batch, step_tokens = SPEC_MAX_STEP_TOKENS // (1 + min(k, SPEC_MIN_DRAFTS)), SPEC_MAX_STEP_TOKENS
+        else:
+            step_tokens = max(SPEC_MAX_STEP_TOKENS, batch * (1 + k))
         return cls(method=method, num_speculative_tokens=k, prompt_lookup_max=hi, prompt_lookup_min=lo,
-                   disable_by_batch_size=batch)
+                   disable_by_batch_size=batch, max_step_tokens=step_tokens)
 
 
 def resolve_device(args: EngineArgs) -> torch.device:

@@ -32,6 +32,12 @@ def test_config_defaults_follow_vllm():
     assert (c.prompt_lookup_min, c.prompt_lookup_max, c.disable_by_batch_size) == (1, 3, 7)
     assert SpeculativeConfig.from_dict(None) is None
     assert EngineArgs(model=".", speculative_config=NGRAM).speculative_config == NGRAM
+    # a long k: the same batch limit (the step budget is shared, see below); one step verifies at most 127 drafts
+    c = SpeculativeConfig.from_dict({**NGRAM, "num_speculative_tokens": 12})
+    assert (c.disable_by_batch_size, c.max_step_tokens, c.max_draft_tokens) == (32, SPEC_MAX_STEP_TOKENS, 127)
+    # an explicit batch limit: room for k drafts each
+    c = SpeculativeConfig.from_dict({**NGRAM, "num_speculative_tokens": 12, "disable_by_batch_size": 64})
+    assert (c.max_step_tokens, c.max_draft_tokens) == (64 * 13, 64 * 12)
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -170,6 +176,24 @@ def test_accepted_drafts_is_the_leading_run_of_matches():
     drafts = torch.tensor([[5, 6, 7], [8, -1, -1], [1, -1, -1]])  # rows 0-2 vs 5 6 7; row 4 vs 8; row 6 vs 1
     assert accepted_drafts(sampled, first, drafts).tolist() == [2, 1, 0]
     assert accepted_drafts(torch.tensor([5, 6, 7, 1]), torch.tensor([0]), torch.tensor([[5, 6, 7]])).tolist() == [3]
+
+
+def test_speculating_sequences_share_the_step_token_budget():
+    """k = 12: one sequence gets 12 drafts; 16 share the 128 - 16 tokens their rows leave (7 each); 32 get 3."""
+    spec = Speculator(SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 12,
+                                                   "prompt_lookup_min": 1, "prompt_lookup_max": 2}), max_model_len=1000)
+    period = list(range(1, 21))
+
+    def batch(n):
+        return [_decoding_seq(i, period * 3, [1], max_tokens=64) for i in range(n)]
+
+    for n, each in ((1, 12), (16, 7), (32, 3)):
+        seqs = batch(n)
+        assert spec.wants_drafts(seqs)
+        assert spec.propose(seqs) == seqs
+        assert [len(s.draft_ids) for s in seqs] == [each] * n
+        assert n + sum(len(s.draft_ids) for s in seqs) <= SPEC_MAX_STEP_TOKENS
+    assert not spec.wants_drafts(batch(33))
 
 
 def test_policy_switches_off_for_large_batches_and_backs_off_on_misses():

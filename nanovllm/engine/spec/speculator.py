@@ -6,10 +6,12 @@ is scheduled only after the engine has read the step in flight, and runs synchro
 the async path (and, on the GPU, its decode CUDA graphs). So the answer must be "no" wherever speculation would
 not pay:
 
-* large batches: no drafts in a step with more than `disable_by_batch_size` running sequences (default
-  SPEC_MAX_STEP_TOKENS // (1 + k), config.py). A forward pass over that many rows is bound by reading the
-  weights, so the drafts ride almost for free, and the verification step fits the smallest mixed-step graph;
-  above it, drafts cost compute and the lost async overlap, and at full load speculation is off altogether.
+* large batches: no drafts in a step with more than `disable_by_batch_size` running sequences (default 32 for
+  k >= 3, config.py), and a verification step holds at most `max_step_tokens` tokens (SPEC_MAX_STEP_TOKENS, 128):
+  the speculating sequences share the draft tokens its rows leave, k at most each. A forward pass over that many
+  rows is bound by reading the weights, so the drafts ride almost for free, and the step fits the smallest
+  mixed-step graph; above it, drafts cost compute and the lost async overlap, and at full load speculation is off
+  altogether.
 * sequences whose drafts do not get accepted: after a step in which a sequence got no proposal or none of its
   drafts was accepted, it is not *due* for 2, 4, 8, ... up to MAX_BACKOFF_STEPS steps (reset by an accepted
   draft), and a step speculates only if some sequence is due. Text that does not repeat itself (random weights,
@@ -103,7 +105,11 @@ class Speculator:
         """Set `draft_ids` of the sequences that can draft and the proposer has drafts for (their last tokens are
         known now); returns them. One without a proposal backs off."""
         seqs = [s for s in running if self._can_draft(s) and s.token_ids[-1] != PLACEHOLDER]
-        limits = [min(self._state(s).max_drafts, self._room(s)) for s in seqs]
+        if not seqs:
+            return []
+        # the step's token budget: a row per running sequence, the rest shared by the ones that can draft
+        share = max(1, (self.config.max_step_tokens - len(running)) // len(seqs))
+        limits = [min(self._state(s).max_drafts, self._room(s), share) for s in seqs]
         drafted = []
         for seq, drafts in zip(seqs, self.proposer.propose([self._history(s) for s in seqs], limits)):
             if drafts:
