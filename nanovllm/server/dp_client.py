@@ -152,8 +152,8 @@ class DataParallelClient:
         return self.info
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
-        for i, c in enumerate(self.cores):
-            c.add_death_callback(lambda reason, i=i: self._core_died(i, reason))
+        for c in self.cores:
+            c.add_death_callback(self._core_died)
             c.attach(loop)
 
     def add_death_callback(self, fn) -> None:
@@ -180,7 +180,8 @@ class DataParallelClient:
         for t in threads:
             t.join()
 
-    def _core_died(self, index: int, reason: str) -> None:
+    def _core_died(self, reason: str) -> None:
+        """A core's death callback (its reason names it): the first one makes the whole client dead."""
         if self._dead is not None:
             return
         self._dead = reason
