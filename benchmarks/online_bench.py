@@ -321,8 +321,10 @@ def cpu_seconds(pid: int) -> float | None:
         return None
 
 
-def engine_core_pid(api_pid: int) -> int | None:
-    """The engine-core process the API process started (its multiprocessing child, not the resource tracker)."""
+def engine_core_pids(api_pid: int) -> list[int]:
+    """The engine-core processes the API process started (its multiprocessing children, not the resource tracker;
+    several with --data-parallel-size)."""
+    pids = []
     try:
         for d in os.listdir("/proc"):
             if not d.isdigit():
@@ -335,10 +337,16 @@ def engine_core_pid(api_pid: int) -> int | None:
             except (OSError, IndexError, ValueError):
                 continue
             if ppid == api_pid and b"spawn_main" in cmd and b"resource_tracker" not in cmd:
-                return int(d)
+                pids.append(int(d))
     except OSError:
         pass
-    return None
+    return pids
+
+
+def cpu_seconds_of(pids: list[int]) -> float | None:
+    """The CPU time of several processes together (the engine cores), None if any is unknown."""
+    times = [cpu_seconds(p) for p in pids]
+    return None if not times or None in times else sum(times)
 
 
 def serve_fake_core(argv: list[str]) -> int:
@@ -497,15 +505,15 @@ def main(argv=None) -> int:
         for rate in rates:
             print(f"[bench] rate {rate:g} req/s: {len(prompts)} requests ...", file=sys.stderr)
             before = scrape_metrics(base_url)
-            pids = {} if proc is None else {"api": proc.pid, "engine_core": engine_core_pid(proc.pid)}
-            cpu0 = {k: cpu_seconds(pid) for k, pid in pids.items() if pid is not None}
+            pids = {} if proc is None else {"api": [proc.pid], "engine_core": engine_core_pids(proc.pid)}
+            cpu0 = {k: cpu_seconds_of(p) for k, p in pids.items()}
             res = asyncio.run(run_rate(base_url, model, ns.api_key, prompts, max_tokens, rate, ns.arrival_seed,
                                        ns.temperature, ns.max_concurrency, ns.request_timeout, ns.client_procs))
             after = scrape_metrics(base_url)
             res["server"] = {k: after[k] - before.get(k, 0.0) for k in after}
             res["cpu"] = {}
             for k, t0 in cpu0.items():
-                t1 = cpu_seconds(pids[k])
+                t1 = cpu_seconds_of(pids[k])
                 if t0 is not None and t1 is not None:
                     res["cpu"][f"{k}_s"] = t1 - t0
                     res["cpu"][f"{k}_us_per_output_token"] = (t1 - t0) / max(res["output_tokens"], 1) * 1e6

@@ -55,11 +55,15 @@ def _watch_parent(parent_pid: int) -> None:
     threading.Thread(target=loop, name="nanovllm-core-parent-watch", daemon=True).start()
 
 
-def run_engine_core(args, inbox, outbox, make_core, parent_pid: int) -> None:
+def run_engine_core(args, inbox, outbox, make_core, parent_pid: int, env: dict[str, str] | None = None) -> None:
     """Entry point of the engine-core process (a multiprocessing spawn target).
 
     `inbox` / `outbox`: the read end of the API process's pipe and the write end of ours; `make_core(args)` builds
-    the core (EngineCore.from_args, or a stand-in without a model for benchmarks and tests)."""
+    the core (EngineCore.from_args, or a stand-in without a model for benchmarks and tests). `env`: environment
+    variables set before anything else runs, so before CUDA is initialized (a data-parallel core's
+    CUDA_VISIBLE_DEVICES; its tensor-parallel workers inherit them)."""
+    if env:
+        os.environ.update(env)
     try:
         os.setpgid(0, 0)
     except OSError:   # already a group leader

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP app (FastAPI) over an EngineCoreClient: `build_app(client, tokenizer, config)`.
+"""The OpenAI-compatible HTTP app (FastAPI) over an EngineCoreClient (or a DataParallelClient of several):
+`build_app(client, tokenizer, config)`.
 
     POST /v1/completions        POST /v1/chat/completions     GET /v1/models
     GET  /health                GET  /metrics                 POST /tokenize    POST /detokenize   GET /version
@@ -26,6 +27,7 @@ from starlette.requests import ClientDisconnect
 
 from nanovllm.server.config import ServerConfig
 from nanovllm.server.core_client import EngineCoreClient, EngineDeadError, RequestFailedError
+from nanovllm.server.dp_client import DataParallelClient
 from nanovllm.server.metrics import CONTENT_TYPE
 from nanovllm.server.preprocess import Preprocessor
 from nanovllm.server.protocol import APIError
@@ -80,7 +82,7 @@ class Lifecycle:
 
     GUARDED = ("/v1", "/tokenize", "/detokenize")
 
-    def __init__(self, client: EngineCoreClient, graceful_shutdown_timeout: float):
+    def __init__(self, client: EngineCoreClient | DataParallelClient, graceful_shutdown_timeout: float):
         self.client = client
         self.grace = graceful_shutdown_timeout
         self.active = 0              # guarded HTTP requests being answered
@@ -151,7 +153,7 @@ class Lifecycle:
         asyncio.get_running_loop().create_task(stop_later())
 
 
-def build_app(client: EngineCoreClient, tokenizer, config: ServerConfig | None = None) -> FastAPI:
+def build_app(client: EngineCoreClient | DataParallelClient, tokenizer, config: ServerConfig | None = None) -> FastAPI:
     """The FastAPI app over a started EngineCoreClient (attached to the app's event loop at start-up; closing it
     is its owner's job). `tokenizer`: the model's (None: token-id prompts only).
 
@@ -237,7 +239,7 @@ def build_app(client: EngineCoreClient, tokenizer, config: ServerConfig | None =
 
     @app.get("/metrics")
     async def metrics():
-        return Response(client.metrics.render(client.stats, names[0]), media_type=CONTENT_TYPE)
+        return Response(client.render_metrics(names[0]), media_type=CONTENT_TYPE)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

@@ -1,8 +1,9 @@
 """`nanovllm serve MODEL [--host] [--port] [--api-key] [--served-model-name] [server limits] [engine args]`.
 
 Two processes: this one (HTTP, tokenization, detokenization) and the engine core it starts (the engine and its
-tensor-parallel workers), see docs/server.md. Importing this module needs neither FastAPI nor uvicorn (the
-server is an optional extra); they are imported when the command runs, with a clear message if they are missing.
+tensor-parallel workers), see docs/server.md; with --data-parallel-size D, D engine cores (docs/scale-out.md).
+Importing this module needs neither FastAPI nor uvicorn (the server is an optional extra); they are imported
+when the command runs, with a clear message if they are missing.
 Exit status: 0 after a clean shutdown (SIGTERM/SIGINT), 1 if the engine died, 2 for a bad configuration.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ INSTALL_HINT = "the server needs the optional 'server' extra: pip install -e '.[
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     from nanovllm.cli import HelpFormatter, add_engine_args
     from nanovllm.server.config import ServerConfig
+    from nanovllm.server.dp_client import AFFINITY_SLACK
 
     d = ServerConfig()
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
@@ -45,6 +47,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "as stalled and the server exits with status 1")
     p.add_argument("--graceful-shutdown-timeout", type=float, default=d.graceful_shutdown_timeout,
                    help="on SIGTERM/SIGINT, seconds requests in flight get to finish")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size,
+                   help="engine cores behind this server, each with --tensor-parallel-size GPUs of its own (core i: "
+                        "GPUs i*tp..(i+1)*tp-1 of those visible; on CPU all run on the CPU); a request goes to the "
+                        "least-loaded core, or to the core that was last sent its first KV block unless that core's "
+                        f"load exceeds the least by more than {AFFINITY_SLACK} sequences")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
     p.add_argument("--disable-access-log", action="store_true", help="do not log every HTTP request")
@@ -68,8 +75,23 @@ def check_serve_args(ns: argparse.Namespace) -> None:
         raise ValueError(f"--port must be in 1..65535, got {ns.port}")
     if not ns.host:
         raise ValueError("--host must not be empty")
-    server_config(ns)   # the server's own limits
+    config = server_config(ns)   # the server's own limits
     check_engine_args(ns.model, {"scheduling_policy": "fcfs", **engine_kwargs(ns)})
+    if config.data_parallel_size > 1:
+        from nanovllm.config import EngineArgs
+        data_parallel_envs(EngineArgs.from_kwargs(ns.model or ".", **engine_kwargs(ns)), config.data_parallel_size)
+
+
+def data_parallel_envs(args, data_parallel_size: int) -> list[dict[str, str]]:
+    """Each engine core's environment (its GPUs); ValueError if this machine has too few GPUs for them all."""
+    from nanovllm.config import resolve_device
+    from nanovllm.server.dp_client import core_envs
+    device = resolve_device(args)
+    if device.type == "cuda" and device.index is not None:
+        raise ValueError(f"--device {args.device} pins every engine core to one GPU; with --data-parallel-size "
+                         f"{data_parallel_size} use --device cuda (core i gets its own GPUs; choose them with "
+                         f"CUDA_VISIBLE_DEVICES)")
+    return core_envs(data_parallel_size, args.tensor_parallel_size, device.type)
 
 
 def server_config(ns: argparse.Namespace):
@@ -79,7 +101,8 @@ def server_config(ns: argparse.Namespace):
                         max_request_body_bytes=ns.max_request_body_bytes,
                         trust_request_chat_template=ns.trust_request_chat_template,
                         chat_template_timeout=ns.chat_template_timeout, engine_step_timeout=ns.engine_step_timeout,
-                        graceful_shutdown_timeout=ns.graceful_shutdown_timeout)
+                        graceful_shutdown_timeout=ns.graceful_shutdown_timeout,
+                        data_parallel_size=ns.data_parallel_size)
 
 
 def load_tokenizer(path: str, required: bool):
@@ -130,6 +153,7 @@ def serve_command(ns: argparse.Namespace) -> int:
     from nanovllm.cli import default_model
     from nanovllm.server.api import build_app
     from nanovllm.server.core_client import EngineCoreClient
+    from nanovllm.server.dp_client import DataParallelClient
     from nanovllm.utils.hub import resolve_model_dir
 
     check_serve_args(ns)
@@ -145,13 +169,20 @@ def serve_command(ns: argparse.Namespace) -> int:
         if args.tokenizer is not None else resolve_model_dir(args.model, args.revision, args.download_dir)
     tokenizer = load_tokenizer(tok_dir, required=args.load_format != "dummy")
     t0 = time.perf_counter()
-    client = EngineCoreClient(args, step_timeout=config.engine_step_timeout)
+    dp = config.data_parallel_size
+    if dp == 1:
+        client = EngineCoreClient(args, step_timeout=config.engine_step_timeout)
+    else:
+        client = DataParallelClient(args, dp, step_timeout=config.engine_step_timeout,
+                                    envs=data_parallel_envs(args, dp))
     signal.signal(signal.SIGTERM, signal.default_int_handler)   # a SIGTERM during start-up stops it cleanly too
     try:
-        info = client.start()
-        print(f"[nanovllm] engine core ready in {time.perf_counter() - t0:.1f}s (pid {info.pid}, "
-              f"device={info.device}, dtype={info.dtype}, max_model_len={info.max_model_len}, "
-              f"kv blocks={info.num_kvcache_blocks})", file=sys.stderr)
+        client.start()
+        for i, c in enumerate(client.cores if dp > 1 else [client]):
+            env = " ".join(f"{k}={v}" for k, v in (c.env or {}).items())
+            print(f"[nanovllm] engine core{f' {i}' if dp > 1 else ''} ready in {time.perf_counter() - t0:.1f}s "
+                  f"(pid {c.info.pid}, device={c.info.device}{', ' + env if env else ''}, dtype={c.info.dtype}, "
+                  f"max_model_len={c.info.max_model_len}, kv blocks={c.info.num_kvcache_blocks})", file=sys.stderr)
         app = build_app(client, tokenizer, config)
         names = ", ".join(app.state.server.names)
         print(f"[nanovllm] serving {names} on http://{ns.host}:{ns.port}/v1"

@@ -17,6 +17,8 @@ class ServerConfig:
         counts as stalled: its process is killed, the requests fail, the server exits non-zero (the watchdog).
     graceful_shutdown_timeout: on SIGTERM/SIGINT, seconds that requests in flight get to finish before they are
         ended with an error.
+    data_parallel_size: engine cores behind the server, each with its own tensor-parallel group; requests go to
+        the least-loaded one, with prefix affinity (server/dp_client.py). vLLM's flag.
     """
     served_model_names: tuple[str, ...] = ()
     api_key: str | None = None
@@ -25,6 +27,7 @@ class ServerConfig:
     chat_template_timeout: float = 5.0
     engine_step_timeout: float = 60.0
     graceful_shutdown_timeout: float = 20.0
+    data_parallel_size: int = 1
 
     def __post_init__(self):
         if not isinstance(self.served_model_names, tuple) or \
@@ -38,6 +41,9 @@ class ServerConfig:
             raise ValueError(f"max_request_body_bytes must be an int >= 1024, got {n!r}")
         if not isinstance(self.trust_request_chat_template, bool):
             raise TypeError(f"trust_request_chat_template must be a bool, got {self.trust_request_chat_template!r}")
+        d = self.data_parallel_size
+        if not isinstance(d, int) or isinstance(d, bool) or d < 1:
+            raise ValueError(f"data_parallel_size must be an int >= 1, got {d!r}")
         for name in ("chat_template_timeout", "engine_step_timeout", "graceful_shutdown_timeout"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:

@@ -60,18 +60,23 @@ SHUTDOWN_JOIN_S = 15.0    # a clean shutdown waits this long for the engine core
 
 
 class EngineCoreClient:
-    def __init__(self, args, *, step_timeout: float | None = 60.0, make_core=make_engine_core):
+    def __init__(self, args, *, step_timeout: float | None = 60.0, make_core=make_engine_core,
+                 metrics: ServerMetrics | None = None, env: dict[str, str] | None = None, label: str | None = None):
         """`args`: what `make_core(args)` builds the engine core from in its process (EngineArgs by default).
         `step_timeout`: seconds without a step's outputs, while requests are in flight, that count as a stall
-        (None: no watchdog)."""
+        (None: no watchdog). The rest is for one core of several (server/dp_client.py): `metrics` to record into
+        (shared by the cores; default a new one), `env` for the core's process (CUDA_VISIBLE_DEVICES), `label`
+        put before the reason of its death ("engine core 1 of 2")."""
         if step_timeout is not None and not step_timeout > 0:
             raise ValueError(f"step_timeout must be > 0 seconds (or None), got {step_timeout!r}")
         self.args = args
         self.step_timeout = step_timeout
         self.make_core = make_core
+        self.env = dict(env) if env else None
+        self.label = label
         self.info: Ready | None = None
         self.stats = EngineStats()
-        self.metrics = ServerMetrics()
+        self.metrics = metrics if metrics is not None else ServerMetrics()
         self._proc = None
         self._to_core = None          # write end (sender thread)
         self._from_core = None        # read end (reader thread)
@@ -93,14 +98,24 @@ class EngineCoreClient:
     def start(self, timeout: float | None = None) -> Ready:
         """Start the engine-core process and wait until it is ready (model loaded, KV cache sized). Raises the
         core's start-up error: ValueError/TypeError for a bad configuration, else RuntimeError."""
+        self.launch()
+        return self.wait_ready(timeout)
+
+    def launch(self) -> None:
+        """Start the engine-core process (`wait_ready` waits for it: several cores load their models at once)."""
+        if self._proc is not None:
+            raise RuntimeError("the engine core was started already")
         ctx = mp.get_context("spawn")
         core_in, self._to_core = ctx.Pipe(duplex=False)
         self._from_core, core_out = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(target=run_engine_core, name="nanovllm-engine-core",
-                                 args=(self.args, core_in, core_out, self.make_core, os.getpid()))
+                                 args=(self.args, core_in, core_out, self.make_core, os.getpid(), self.env))
         self._proc.start()
         core_in.close()
         core_out.close()
+
+    def wait_ready(self, timeout: float | None = None) -> Ready:
+        """Wait until the launched core is ready; its start-up error otherwise (see `start`)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -155,6 +170,20 @@ class EngineCoreClient:
     @property
     def pid(self) -> int | None:
         return None if self._proc is None else self._proc.pid
+
+    @property
+    def load(self) -> int:
+        """Samples (sequences) this client sent to the core that have not finished: what the data-parallel
+        router balances (event loop)."""
+        return sum(g.unfinished for g in self._groups)
+
+    def holds(self, request_id: str) -> bool:
+        """Whether the engine request is in flight on this core (event loop)."""
+        return request_id in self._live
+
+    def render_metrics(self, model_name: str) -> str:
+        """/metrics: this client's request metrics and the core's latest stats."""
+        return self.metrics.render(self.stats, model_name)
 
     def close(self, timeout: float = SHUTDOWN_JOIN_S) -> None:
         """Shut the engine core down (it shuts its executor down) and wait for it; kill it after `timeout`."""
@@ -362,6 +391,8 @@ class EngineCoreClient:
         with self._dead_lock:
             if self._dead is not None:
                 return
+            if self.label:
+                reason = f"{self.label}: {reason}"
             self._dead = reason
         if not self._closing:
             logger.error("%s", reason)

@@ -3,12 +3,14 @@
 No dependency on prometheus_client: the few metric kinds needed here (counters, gauges, histograms with
 fixed buckets) are simple to render. Request latencies are measured in the API process, as its clients see
 them (from the request's submission to its tokens' arrival); the engine's gauges and counters come from the
-EngineStats of the engine core's latest message.
+EngineStats of the engine core's latest message (summed over the cores of a data-parallel server, which adds
+a few series per core, labelled `engine`).
 """
 from __future__ import annotations
 
 import math
 import threading
+from dataclasses import dataclass
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -68,6 +70,17 @@ class Histogram:
         return out
 
 
+@dataclass(frozen=True)
+class EngineShare:
+    """One engine core's part behind a data-parallel server (server/dp_client.py), for the `engine`-labelled
+    metrics: engine requests the router sent it, samples of them in flight, its prefix cache hits and queries."""
+    engine: int
+    routed: int
+    in_flight: int
+    prefix_hits: int
+    prefix_queries: int
+
+
 class ServerMetrics:
     """Request-level metrics recorded by the API process; gauges and engine counters come from EngineStats."""
 
@@ -95,8 +108,9 @@ class ServerMetrics:
         with self.lock:
             self.finished["abort"] += n
 
-    def render(self, stats, model_name: str) -> str:
-        """The exposition text; `stats` is the engine's latest EngineStats (engine/core_protocol.py)."""
+    def render(self, stats, model_name: str, engines: tuple[EngineShare, ...] = ()) -> str:
+        """The exposition text; `stats` is the engine's latest EngineStats (engine/core_protocol.py), summed over
+        the cores of a data-parallel server, whose `engines` add a series per core (label `engine`)."""
         lab = {"model_name": model_name}
         lines: list[str] = []
 
@@ -128,6 +142,18 @@ class ServerMetrics:
                    stats.spec_num_draft_tokens)
             simple("nanovllm:spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.",
                    stats.spec_num_accepted_tokens)
+        if engines:
+            for name, kind, help_, attr in (
+                    ("nanovllm:engine_requests_routed_total", "counter",
+                     "Engine requests the data-parallel router sent to the core.", "routed"),
+                    ("nanovllm:engine_requests_in_flight", "gauge",
+                     "Sequences sent to the core and not finished (what the router balances).", "in_flight"),
+                    ("nanovllm:engine_prefix_cache_hits_total", "counter", "Prefix cache hits of the core.",
+                     "prefix_hits"),
+                    ("nanovllm:engine_prefix_cache_queries_total", "counter", "Prefix cache lookups of the core.",
+                     "prefix_queries")):
+                metric(name, kind, help_, [f"{name}{_labels({**lab, 'engine': str(e.engine)})} "
+                                           f"{_num(getattr(e, attr))}" for e in engines])
         with self.lock:
             metric("nanovllm:request_success_total", "counter", "Requests finished, by finish reason.",
                    [f"nanovllm:request_success_total{_labels({**lab, 'finished_reason': r})} {n}"

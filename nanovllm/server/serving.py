@@ -18,6 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from nanovllm.server.core_client import EngineCoreClient, EngineDeadError, RequestFailedError
+from nanovllm.server.dp_client import DataParallelClient
 from nanovllm.server.preprocess import Preprocessor
 from nanovllm.server.protocol import (
     APIError,
@@ -84,7 +85,7 @@ class _Choice:
 
 
 class OpenAIServer:
-    def __init__(self, client: EngineCoreClient, tokenizer, names: list[str], pre: Preprocessor,
+    def __init__(self, client: EngineCoreClient | DataParallelClient, tokenizer, names: list[str], pre: Preprocessor,
                  max_request_body_bytes: int):
         self.client = client
         self.tokenizer = tokenizer

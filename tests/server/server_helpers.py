@@ -177,6 +177,56 @@ class Beside:
         assert self.texts and all(t == self.ref for t in self.texts), "the stream beside changed its text"
 
 
+def check_error(r, status, code=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+class Stream:
+    """A streamed completion read in a thread: its text, and the error event that ended it (if one did)."""
+
+    def __init__(self, url: str, headers: dict | None = None, **body):
+        self.url, self.headers = url, headers or {}
+        self.body = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "ignore_eos": True, "stream": True, **body}
+        self.text, self.error, self.done, self.status, self.exc = "", None, False, None, None
+        self.first = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        assert self.first.wait(30), "the stream never started"
+
+    def _run(self):
+        try:
+            with httpx.stream("POST", self.url + "/v1/completions", json=self.body, headers=self.headers,
+                              timeout=60) as r:
+                self.status = r.status_code
+                if r.status_code != 200:
+                    self.error = json.loads(r.read())["error"]
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        self.done = True
+                    elif line.startswith("data: "):
+                        obj = json.loads(line[6:])
+                        if "error" in obj:
+                            self.error = obj["error"]
+                        else:
+                            self.text += obj["choices"][0]["text"]
+                    self.first.set()
+        except Exception as e:  # noqa: BLE001 - looked at by the test
+            self.exc = e
+        finally:
+            self.first.set()
+
+    def join(self, timeout=30):
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the stream did not end"
+        assert self.exc is None, f"the stream broke: {self.exc!r}"
+        return self
+
+
 # --- `nanovllm serve` as a process ---------------------------------------------------------------------------
 class ServerProcess:
     def __init__(self, path: str, *args: str, timeout: float = 120.0):
