@@ -3,6 +3,7 @@ have vLLM's layout (and decode with vLLM's msgspec structs); a full queue drops 
 bad configurations are rejected."""
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -190,6 +191,12 @@ def test_full_queue_drops_instead_of_blocking(monkeypatch):
     finally:
         release.set()
         pub.shutdown()
+
+
+def test_missing_dependency_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "zmq", None)   # as if pyzmq were not installed
+    with pytest.raises(ImportError, match=r"pip install 'nanovllm\[kv-events\]' \(missing: zmq\)"):
+        kv_events.KVEventPublisher.create(KVEventsConfig(enable_kv_cache_events=True), 16)
 
 
 def test_endpoint_in_use_is_a_clear_error():
