@@ -39,6 +39,9 @@ _HELP = {
                       "token and KV head (about 1.9x the tokens per GiB)",
     "speculative_config": "speculative decoding as JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                           "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (default: none)",
+    "kv_events_config": "KV-cache events for prefix-aware routers (vLLM's), as JSON, e.g. "
+                        "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "
+                        "\"topic\": \"kv-events\"}' (default: none; docs/scale-out.md)",
 }
 
 

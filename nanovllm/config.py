@@ -51,6 +51,7 @@ class EngineArgs:
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     speculative_config: dict | None = None  # speculative decoding (vLLM's dict; see SpeculativeConfig)
+    kv_events_config: dict | KVEventsConfig | None = None  # KV-cache events (vLLM's dict; see KVEventsConfig)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> EngineArgs:
@@ -113,6 +114,7 @@ class EngineArgs:
         need("kv_cache_dtype", self.kv_cache_dtype == "auto" or self.kv_cache_dtype in KV_CACHE_DTYPES,
              "'auto', " + " or ".join(map(repr, KV_CACHE_DTYPES)))
         SpeculativeConfig.from_dict(self.speculative_config)  # raises on a bad key or value
+        KVEventsConfig.from_dict(self.kv_events_config)
 
 
 SCHEDULING_POLICIES = ("fcfs", "balanced")  # see nanovllm.engine.scheduler
@@ -197,6 +199,79 @@ class SpeculativeConfig:
                    disable_by_batch_size=batch, max_step_tokens=step_tokens)
 
 
+KV_EVENT_PUBLISHERS = ("null", "zmq")
+KV_EVENT_ENCODINGS = ("array", "map")
+_ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """KV-cache events for prefix-aware routers, vLLM's `kv_events_config` / `--kv-events-config`
+    (engine/kv_events.py publishes them; docs/scale-out.md has the wire format).
+
+    enable_kv_cache_events: publish at all (default off: nothing is recorded). publisher: "zmq", or "null" (no
+    events); None: "zmq" when enabled (vLLM's default). endpoint: the ZMQ PUB address, bound when it has a wildcard
+    ("*", "::") or is ipc:// / inproc://, else connected to. replay_endpoint: a ROUTER address where a subscriber
+    asks for the batches it missed from a sequence number (None: no replay). buffer_steps: batches kept for replay.
+    hwm: the PUB socket's high-water mark (messages queued per subscriber before ZMQ drops them). max_queue_size:
+    batches waiting for the publisher thread before new ones are dropped. topic: the first frame of every message.
+    encoding (nanovllm's key, not vLLM's): "array", each event a positional array (vLLM's layout before its map
+    encoding; every router decodes it), or "map", each event a map keyed by field name (vLLM's newer layout)."""
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+    encoding: str = "array"
+
+    @property
+    def publishes(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher != "null"
+
+    def __post_init__(self):
+        def bad(key, what):
+            return ValueError(f"kv_events_config[{key!r}] must be {what}, got {getattr(self, key)!r}")
+
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise bad("enable_kv_cache_events", "a bool")
+        if self.publisher is not None and self.publisher not in KV_EVENT_PUBLISHERS:
+            raise bad("publisher", " or ".join(map(repr, KV_EVENT_PUBLISHERS)))
+        for key in ("endpoint", "replay_endpoint"):
+            v = getattr(self, key)
+            if v is None and key == "replay_endpoint":
+                continue
+            if not isinstance(v, str) or not v.startswith(_ZMQ_SCHEMES) or v in _ZMQ_SCHEMES:
+                raise bad(key, "a ZMQ address such as 'tcp://*:5557' (tcp://, ipc:// or inproc://)")
+        if self.replay_endpoint == self.endpoint:
+            raise bad("replay_endpoint", "an address other than endpoint's")
+        for key in ("buffer_steps", "hwm", "max_queue_size"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise bad(key, "an int >= 1")
+        if not isinstance(self.topic, str):
+            raise bad("topic", "a string")
+        if self.encoding not in KV_EVENT_ENCODINGS:
+            raise bad("encoding", " or ".join(map(repr, KV_EVENT_ENCODINGS)))
+
+    @classmethod
+    def from_dict(cls, d: dict | KVEventsConfig | None) -> KVEventsConfig | None:
+        """Validate vLLM's dict (a KVEventsConfig is checked when built); None stays None. A bad key or value is a
+        ValueError naming it (TypeError: neither a dict nor a KVEventsConfig)."""
+        if d is None or isinstance(d, KVEventsConfig):
+            return d
+        if not isinstance(d, dict):
+            raise TypeError(f"kv_events_config must be a dict (or None), got {type(d).__name__} {d!r}")
+        keys = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(map(str, d)) - set(keys))
+        if unknown:
+            raise ValueError(f"kv_events_config has unknown key(s) {', '.join(map(repr, unknown))}; supported: "
+                             f"{', '.join(keys)}")
+        return cls(**d)
+
+
 def resolve_device(args: EngineArgs) -> torch.device:
     """The device `args` asks for, checked against this machine (before anything loads): CUDA must be there for
     device='cuda' and for the triton attention backend (unless Triton runs under its CPU interpreter)."""
@@ -259,6 +334,7 @@ class EngineConfig:
         """The KV cache's element type: float8_e4m3fn (with per-(token, head) scales), or the model dtype."""
         return self.dtype if self.kv_cache_dtype is None else self.kv_cache_dtype
     speculative: SpeculativeConfig | None = None
+    kv_events: KVEventsConfig | None = None          # None: no KV-cache events (not enabled, or publisher "null")
 
     @classmethod
     def resolve(cls, args: EngineArgs) -> EngineConfig:
@@ -320,8 +396,10 @@ class EngineConfig:
             # steps), i.e. a large model per GPU; with less per GPU the per-step costs it adds win. The server
             # asks for fcfs (time to first token).
             policy = auto_scheduling_policy(mcfg, dtype, args.tensor_parallel_size, device, quant)
+        kv_events = KVEventsConfig.from_dict(args.kv_events_config)
         return cls(args=args, model=mcfg, model_dir=model_dir, device=device, dtype=dtype,
                    max_model_len=max_model_len, max_num_batched_tokens=max_batched,
                    max_num_seqs=max_num_seqs, block_size=args.kvcache_block_size, attention_backend=backend,
                    async_scheduling=async_sched, scheduling_policy=policy, quantization=quant,
-                   kv_cache_dtype=kv_dtype, speculative=SpeculativeConfig.from_dict(args.speculative_config))
+                   kv_cache_dtype=kv_dtype, speculative=SpeculativeConfig.from_dict(args.speculative_config),
+                   kv_events=kv_events if kv_events is not None and kv_events.publishes else None)

@@ -152,6 +152,10 @@ class LLM:
                                        **(chat_template_kwargs or {}))
         return tok.encode(text, add_special_tokens=False)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (no request may be running); False if some blocks are still held."""
+        return self.engine.reset_prefix_cache()
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 

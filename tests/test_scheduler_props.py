@@ -3,7 +3,8 @@
 No model: a step is simulated by advancing computed counts and appending a random token to every
 sequence that sampled. Invariants after every operation: each block's ref count equals the number of
 live block tables holding it, free blocks are exactly those with ref count 0, the prefix-cache table
-points at blocks holding those hashes; at the end every block is free.
+points at blocks holding those hashes, the block manager's events (stored / removed / cleared) replayed give its
+prefix-cache table; at the end every block is free.
 """
 from __future__ import annotations
 
@@ -13,10 +14,32 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.block_manager import BlockManager, hash_block
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
+
+
+class CacheMirror:
+    """The prefix cache as a router sees it, built from the block manager's events alone."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.hashes: set[int] = set()
+
+    def stored(self, block_hashes, parent_hash, token_ids):
+        assert len(block_hashes) == len(token_ids)
+        for h, toks in zip(block_hashes, token_ids):
+            assert h not in self.hashes and len(toks) == self.block_size and h == hash_block(parent_hash, toks)
+            self.hashes.add(h)
+            parent_hash = h
+
+    def removed(self, block_hashes):
+        assert set(block_hashes) <= self.hashes
+        self.hashes -= set(block_hashes)
+
+    def cleared(self):
+        self.hashes.clear()
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -27,7 +50,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def setup(self, block_size, num_blocks, budget, max_seqs, caching, async_mode, policy, step_sizes):
         self.async_mode = async_mode  # resolve each step's tokens one step late, as async scheduling does
         self.inflight = None
-        self.bm = BlockManager(num_blocks, block_size, caching)
+        self.mirror = CacheMirror(block_size)
+        self.bm = BlockManager(num_blocks, block_size, caching, events=self.mirror)
         self.sched = Scheduler(self.bm, max_seqs, budget, policy, step_sizes=step_sizes)
         self.max_len = num_blocks * block_size  # one sequence alone always fits
         self.budget, self.max_seqs = budget, max_seqs
@@ -101,11 +125,19 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.sched.finish(data.draw(st.sampled_from(done)), "abort")  # no-op, never a double free
             assert self.bm.num_free_blocks == before
 
+    @rule()
+    def reset_prefix_cache(self):
+        held = any(s.block_table for s in self.seqs.values())
+        assert self.bm.reset_prefix_cache() == (not held)
+        if not held:
+            assert not self.bm.hash_to_block and all(b.hash is None for b in self.bm.blocks)
+
     @invariant()
     def blocks_consistent(self):
         if not hasattr(self, "bm"):
             return
         self.bm.check_invariants(self.live())
+        assert self.mirror.hashes == set(self.bm.hash_to_block)
         assert all(b.ref_count >= 0 for b in self.bm.blocks)
         for s in self.seqs.values():
             if s.status != SequenceStatus.RUNNING:

@@ -8,11 +8,16 @@ wrong K/V.
 
 Blocks whose ref count drops to zero go to the back of the free queue but keep their contents and hash
 until they are handed out again (LRU eviction), so a finished request's prefix stays reusable.
+
+An optional `BlockEvents` listener hears every change to the prefix cache, in order: blocks entered under their
+hashes (stored), hashes dropped when their blocks are handed out again (removed), and a reset (cleared).
+`engine/kv_events.py` publishes them for prefix-aware routers; without a listener nothing is recorded.
 """
 from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
+from typing import Protocol
 
 import xxhash
 
@@ -40,8 +45,23 @@ class Block:
         self.hash = self.parent_hash = self.token_ids = None
 
 
+class BlockEvents(Protocol):
+    """Hears the prefix cache change (engine/kv_events.py). Called on the engine's thread; must not block."""
+
+    def stored(self, block_hashes: list[int], parent_hash: int | None, token_ids: list[tuple[int, ...]]) -> None:
+        """Blocks entered under `block_hashes`, a chain: each block's parent is the one before it, the first's is
+        `parent_hash` (None: it starts a sequence). `token_ids`: each block's tokens."""
+
+    def removed(self, block_hashes: list[int]) -> None:
+        """These hashes left the cache (their blocks were handed out for new tokens)."""
+
+    def cleared(self) -> None:
+        """Every hash left the cache (reset_prefix_cache)."""
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 events: BlockEvents | None = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -50,6 +70,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # front = evict first
         self.hash_to_block: dict[int, int] = {}
+        self.events = events
         # counters for metrics
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -127,14 +148,20 @@ class BlockManager:
         need = self.blocks_for(num_tokens) - len(seq.block_table)
         if need > len(self.free):
             raise RuntimeError(f"out of KV blocks: need {need}, have {len(self.free)}")
+        events = self.events
+        evicted: list[int] = []
         for _ in range(need):
             bid, _ = self.free.popitem(last=False)
             blk = self.blocks[bid]
             if blk.hash is not None and self.hash_to_block.get(blk.hash) == bid:
                 del self.hash_to_block[blk.hash]
+                if events is not None:
+                    evicted.append(blk.hash)
             blk.forget()
             blk.ref_count = 1
             seq.block_table.append(bid)
+        if evicted:
+            events.removed(evicted)
 
     def release(self, seq: Sequence) -> None:
         """Drop `seq`'s hold on its blocks (finish, abort or preemption)."""
@@ -160,6 +187,10 @@ class BlockManager:
             return
         bs = self.block_size
         n_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        events = self.events
+        chain: list[int] = []   # (with a listener) the blocks entered since the last one that was not
+        chain_toks: list[tuple[int, ...]] = []
+        chain_parent = None
         for i in range(seq.num_hashed_blocks, n_full):
             toks = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             parent = seq.block_hashes[i - 1] if i > 0 else None
@@ -169,7 +200,29 @@ class BlockManager:
             if h not in self.hash_to_block and blk.hash is None:
                 self.hash_to_block[h] = blk.block_id
                 blk.hash, blk.parent_hash, blk.token_ids = h, parent, toks
+                if events is not None:
+                    if not chain:
+                        chain_parent = parent
+                    chain.append(h)
+                    chain_toks.append(toks)
+            elif chain:   # (another block holds this hash already) the chain of new blocks breaks here
+                events.stored(chain, chain_parent, chain_toks)
+                chain, chain_toks = [], []
+        if chain:
+            events.stored(chain, chain_parent, chain_toks)
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, n_full)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's `reset_prefix_cache`). Only while no sequence holds a block: returns
+        False, changing nothing, otherwise."""
+        if len(self.free) != self.num_blocks:
+            return False
+        for blk in self.blocks:
+            blk.forget()
+        self.hash_to_block.clear()
+        if self.events is not None:
+            self.events.cleared()
+        return True
 
     def check_invariants(self, live: list[Sequence]) -> None:
         """For tests: ref counts equal the number of live tables holding each block; free list consistent."""

@@ -20,6 +20,7 @@ from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.cuda_graphs import mixed_graph_sizes
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, find_stop
 from nanovllm.engine.executor import Executor
+from nanovllm.engine.kv_events import KVEventPublisher
 from nanovllm.engine.output import StepOutput
 from nanovllm.engine.sampling_features import RequestFeatures, SlotAllocator, late_inputs, request_features
 from nanovllm.engine.scheduler import Scheduler
@@ -78,9 +79,15 @@ class LLMEngine:
             logger.warning("no tokenizer in %s: only token-id prompts are accepted", self.config.model_dir)
             self.tokenizer = None
         self.eos_token_ids = eos_ids(self.config.model_dir, self.config.model.eos_token_ids, self.tokenizer)
-        self.runner: Executor = self._make_runner()
+        # KV-cache events, or None: the sockets open before the model loads, so a port in use fails fast
+        self.kv_events = KVEventPublisher.create(self.config.kv_events, self.config.block_size)
+        try:
+            self.runner: Executor = self._make_runner()
+        except BaseException:
+            self.shutdown()
+            raise
         self.block_manager = BlockManager(self.runner.num_kvcache_blocks, self.config.block_size,
-                                          args.enable_prefix_caching)
+                                          args.enable_prefix_caching, events=self.kv_events)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, self.config.scheduling_policy,
                                    step_sizes=mixed_graph_sizes(self.config))
@@ -294,6 +301,8 @@ class LLMEngine:
             raise RuntimeError("scheduler made no progress with requests pending (KV cache too small?)")
         self.num_prompt_tokens += num_prefill
         self.num_generation_tokens += num_sampled
+        if self.kv_events is not None:   # the blocks this step stored and evicted, as one batch
+            self.kv_events.end_step()
         return advanced, num_prefill, num_sampled
 
     def _resolve_inflight(self) -> tuple[Advanced, int]:
@@ -425,5 +434,18 @@ class LLMEngine:
             prompt_logprobs=seq.prompt_logprobs if seq.is_finished else None,
             num_cached_tokens=seq.num_cached_tokens, metrics=metrics)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's `LLM.reset_prefix_cache`); False, changing nothing, while requests
+        hold blocks. Publishes AllBlocksCleared with KV-cache events on."""
+        done = self.block_manager.reset_prefix_cache()
+        if done and self.kv_events is not None:
+            self.kv_events.end_step()
+        return done
+
     def shutdown(self) -> None:
-        self.runner.shutdown()
+        try:
+            if hasattr(self, "runner"):
+                self.runner.shutdown()
+        finally:
+            if self.kv_events is not None:
+                self.kv_events.shutdown()
