@@ -14,7 +14,8 @@
 #   fp8        ... on Qwen3-8B with FP8 weights, then FP8 weights + FP8 KV cache
 #   spec       speculative decoding: trains the copy model (benchmarks/train_tiny.py, once per machine), then its
 #              copy workload with and without SPEC_CONFIG (default n-gram, SPEC_K=12 drafts) at SPEC_BATCHES
-#              (default 1 16 256) concurrent requests; and the reference workload on Qwen3-0.6B without and with it
+#              (default 1 16 256) concurrent requests; and the reference workload without and with it on
+#              SPEC_REF_MODELS (default qwen3-0.6b; e.g. "qwen3-0.6b qwen3-8b")
 #   sampling   decode step time with a JSON schema / penalties / logit bias / n on 256 rows vs plain
 #              (benchmarks/bench_sampling_features.py; the JSON mode needs xgrammar: carry its wheels as above)
 #   attention  the prefill kernel against torch SDPA (benchmarks/kernel_bench.py attention)
@@ -105,11 +106,14 @@ for s in $steps; do
       [ -f "$copy/config.json" ] || run train_copy 200 python3 benchmarks/train_tiny.py "$copy"
       spec=${SPEC_CONFIG:-'{"method": "ngram", "num_speculative_tokens": '${SPEC_K:-12}', "prompt_lookup_max": 4}'}
       for b in ${SPEC_BATCHES:-1 16 256}; do
-        TAIL=3 quick "copy-b$b" 120 "$copy" --workload copy --batch "$b"
-        TAIL=4 quick "copy-b$b-spec" 120 "$copy" --workload copy --batch "$b" --speculative-config "$spec"
+        n=$((b * 8 < 16 ? 16 : (b * 8 > 1024 ? 1024 : b * 8)))  # requests: about a second of work or more
+        TAIL=3 quick "copy-b$b" 120 "$copy" --workload copy --batch "$b" --num-seqs $n
+        TAIL=4 quick "copy-b$b-spec" 120 "$copy" --workload copy --batch "$b" --num-seqs $n --speculative-config "$spec"
       done
-      TAIL=3 quick ref06 200 benchmarks/models/qwen3-0.6b
-      TAIL=4 quick ref06-spec 200 benchmarks/models/qwen3-0.6b --speculative-config "$spec" ;;
+      for m in ${SPEC_REF_MODELS:-qwen3-0.6b}; do
+        TAIL=3 quick "ref-$m" 300 "benchmarks/models/$m"
+        TAIL=4 quick "ref-$m-spec" 300 "benchmarks/models/$m" --speculative-config "$spec"
+      done ;;
     sampling) run sampling 300 python3 benchmarks/bench_sampling_features.py --model benchmarks/models/qwen3-0.6b \
                 --rows 256 --tokens 128 --modes "${SAMPLING_MODES:-plain,json,penalties,bias,n}" ;;
     attention) TAIL=40 run attention 300 python3 benchmarks/kernel_bench.py attention ;;
