@@ -175,7 +175,7 @@ def main(argv=None) -> dict:
     R, T = args.rows, args.tokens
     kwargs = {"load_format": "dummy", "max_num_seqs": R, **engine_kwargs(args)}
     if args.host_only:
-        blocks = R * (64 + T + 255) // 256 + R
+        blocks = R * (-(-(64 + T) // 16) + 1)  # enough at the smallest block size (the stand-in holds no cache)
         engine = HostOnlyEngine(EngineArgs.from_kwargs(path, **{
             "device": "cpu", "async_scheduling": True, "num_kvcache_blocks": blocks, **kwargs}))
     else:
