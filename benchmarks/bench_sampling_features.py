@@ -9,10 +9,19 @@ steps is reported: plain, json (a schema on every row: grammar matching overlaps
 (presence + frequency + repetition on every row), bias (logit_bias + allowed_token_ids), n (rows / 4 prompts
 with n=4). Target: json within 10% of plain; penalties and n add no host round trip (their step time stays
 close to plain's).
+
+    python benchmarks/bench_sampling_features.py --model benchmarks/models/qwen3-0.6b --host-only [--tokenizer DIR]
+
+--host-only (no GPU needed) runs the engine with a stand-in for the model runner: no forward pass, each step's
+tokens drawn at random (a constrained row's from its bitmask, like noise from a random model), so the median is the
+engine's own host time per decode step (the stand-in's time is left out), with accept / fill medians for json. A
+GPU step overlaps the forward pass with this host work: json's host step must stay below plain's GPU step.
+The engine flag --tokenizer DIR swaps in another tokenizer (a real one shows xgrammar's real mask cost).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -20,24 +29,118 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+from transformers import AutoTokenizer
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 from nanovllm.cli import add_engine_args, engine_kwargs  # noqa: E402
+from nanovllm.config import EngineArgs  # noqa: E402
+from nanovllm.engine.executor import StepResult  # noqa: E402
+from nanovllm.engine.llm_engine import LLMEngine  # noqa: E402
 from nanovllm.utils.tiny_model import ensure_default_tiny_model  # noqa: E402
 
 SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99999}, "minItems": 1000}
 
 
-def model_dir(config_dir: str) -> str:
-    """The config.json of `config_dir` with the tiny model's tokenizer files beside it."""
+def model_dir(config_dir: str, tokenizer_dir: str | None) -> str:
+    """The config.json of `config_dir` with the tiny model's tokenizer files beside it, and the EOS of the tokenizer
+    that will be used (`tokenizer_dir`, default the tiny one) in generation_config.json, as a real checkpoint's
+    agree (config.json's EOS id is past the tiny vocabulary: it would widen the grammar's vocabulary to the padding,
+    engine/structured.py)."""
     out = tempfile.mkdtemp(prefix="nanovllm-features-")
     shutil.copy(os.path.join(config_dir, "config.json"), out)
     tiny = ensure_default_tiny_model()
     for name in os.listdir(tiny):
         if name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
             shutil.copy(os.path.join(tiny, name), out)
+    eos = AutoTokenizer.from_pretrained(tokenizer_dir or tiny).eos_token_id
+    with open(os.path.join(out, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": eos}, f)
     return out
+
+
+class _NoiseStep:
+    """A step of `NoiseExecutor`: its tokens are drawn when read."""
+
+    def __init__(self, ex: NoiseExecutor, num_logits: int):
+        self.ex, self.n, self.late_rows, self.mask = ex, num_logits, [], None
+
+    def sample(self, late) -> None:
+        t = time.perf_counter()
+        if late.mask_rows:  # what the GPU would copy (the buffer is rewritten by the next fill)
+            self.late_rows, self.mask = late.mask_rows, late.bitmask.numpy().copy()
+        self.ex.own += time.perf_counter() - t
+
+    def result(self) -> StepResult:
+        t = time.perf_counter()
+        rng = self.ex.rng
+        toks = [int(x) for x in rng.integers(10, 400, self.n)]
+        if self.mask is not None:  # a random allowed id of each constrained row: a random nonzero word, a set bit
+            m = self.mask
+            w = np.argmax((m != 0) * rng.random(m.shape), axis=1)
+            bits = (m[np.arange(len(m)), w].view(np.uint32)[:, None] >> np.arange(32, dtype=np.uint32)) & 1
+            b = np.argmax(bits * rng.random(bits.shape), axis=1)
+            for row, tok in zip(self.late_rows, (w * 32 + b).tolist()):
+                toks[row] = tok
+        self.ex.own += time.perf_counter() - t
+        return StepResult(token_ids=toks)
+
+
+class NoiseExecutor:
+    """The model runner's stand-in for --host-only: no model; `own` sums its time, to be left out."""
+
+    def __init__(self, num_kvcache_blocks: int):
+        self.num_kvcache_blocks = num_kvcache_blocks
+        self.load_seconds = self.kv_seconds = self.gemm_plan_seconds = self.capture_seconds = 0.0
+        self.is_alive = True
+        self.rng = np.random.default_rng(0)
+        self.own = 0.0
+
+    def launch(self, batch) -> _NoiseStep:
+        return _NoiseStep(self, batch.num_logits)
+
+    def execute(self, batch) -> StepResult:
+        return self.launch(batch).result()
+
+    def shutdown(self) -> None:
+        self.is_alive = False
+
+
+class HostOnlyEngine(LLMEngine):
+    def _make_runner(self) -> NoiseExecutor:
+        return NoiseExecutor(self.config.args.num_kvcache_blocks)
+
+
+def _timed(f, sink: list[float]):
+    def timed(*args):
+        t = time.perf_counter()
+        out = f(*args)
+        sink.append(time.perf_counter() - t)
+        return out
+    return timed
+
+
+def host_step_times(engine: HostOnlyEngine, prompts, params, timers: dict) -> list[float]:
+    """Host time of each pure decode step (the stand-in's left out); `timers` collects accept / fill times."""
+    base = len(engine.requests)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{base}-{i}", p, sp)
+    so = engine._structured  # built by the first structured request
+    if so is not None:
+        for name in ("accept", "fill"):
+            setattr(so, name, _timed(getattr(type(so), name).__get__(so), timers.setdefault(name, [])))
+    times, broke = [], 0
+    while engine.has_unfinished_requests():
+        own, t = engine.runner.own, time.perf_counter()
+        outs, num_prefill, num_sampled = engine.step()
+        if not num_prefill and num_sampled:
+            times.append(time.perf_counter() - t - (engine.runner.own - own))
+        broke += sum(o.finish_reason == "abort" for o in outs)
+    if broke:  # the stand-in draws from the masks it was handed: a broken grammar means a wrong mask
+        raise RuntimeError(f"{broke} requests broke their grammar")
+    return times[2:-2]
 
 
 def decode_step_times(llm: LLM, prompts, params) -> list[float]:
@@ -65,11 +168,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--modes", default="plain,json,penalties,bias,n")
+    ap.add_argument("--host-only", action="store_true", help="no model: the engine's host time per step")
     add_engine_args(ap)
     args = ap.parse_args(argv)
-    path = model_dir(args.model)
-    llm = LLM(path, **{"load_format": "dummy", "max_num_seqs": args.rows, **engine_kwargs(args)})
+    path = model_dir(args.model, args.tokenizer)
     R, T = args.rows, args.tokens
+    kwargs = {"load_format": "dummy", "max_num_seqs": R, **engine_kwargs(args)}
+    if args.host_only:
+        blocks = R * (-(-(64 + T) // 16) + 1)  # enough at the smallest block size (the stand-in holds no cache)
+        engine = HostOnlyEngine(EngineArgs.from_kwargs(path, **{
+            "device": "cpu", "async_scheduling": True, "num_kvcache_blocks": blocks, **kwargs}))
+    else:
+        llm = LLM(path, **kwargs)
     prompts = [[(17 * i + 3 * j) % 400 + 10 for j in range(64)] for i in range(R)]
     base = dict(temperature=1.0, max_tokens=T, ignore_eos=True)
     modes = {
@@ -82,14 +192,20 @@ def main(argv=None) -> dict:
                                           **base) for i in range(R)]),
         "n": (prompts[:R // 4], [SamplingParams(seed=i, n=4, **base) for i in range(R // 4)]),
     }
-    llm.generate(prompts[:8], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
-    res = {}
+    res, what = {}, "host time per decode step" if args.host_only else "decode step"
+    if not args.host_only:
+        llm.generate(prompts[:8], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     for name in args.modes.split(","):
-        times = decode_step_times(llm, *modes[name])
+        timers: dict[str, list[float]] = {}
+        if args.host_only:
+            times = host_step_times(engine, *modes[name], timers)
+        else:
+            times = decode_step_times(llm, *modes[name])
         res[name] = statistics.median(times) * 1e3
-        print(f"{name:10s} decode step median {res[name]:.3f} ms over {len(times)} steps"
+        parts = "".join(f", {k} {statistics.median(v) * 1e3:.3f}" for k, v in timers.items() if v)
+        print(f"{name:10s} {what} median {res[name]:.3f} ms over {len(times)} steps{parts}"
               + (f"  ({res[name] / res['plain']:.3f}x plain)" if "plain" in res and name != "plain" else ""))
-    llm.shutdown()
+    (engine if args.host_only else llm).shutdown()
     shutil.rmtree(path, ignore_errors=True)
     return res
 

@@ -1,5 +1,6 @@
 """The scripts in benchmarks/ still run on CPU: bench_offline's numbers and JSON line, the power monitor's
-arithmetic (fake NVML), and train_tiny's build-train-save-load path (a few steps, small architecture)."""
+arithmetic (fake NVML), train_tiny's build-train-save-load path (a few steps, small architecture), and
+bench_sampling_features --host-only (the engine with a stand-in runner)."""
 import json
 import os
 import sys
@@ -131,3 +132,14 @@ def test_prefill_heavy_workload_and_mode(tiny_ckpt, capsys):
     assert 6000 <= res["prompt_tokens"] <= 8000 and 64 <= res["output_tokens"] <= 256
     assert res["prompt_tok_s"] > 0 and res["total_tok_s"] > res["output_tok_s"]
     assert "prompt," in capsys.readouterr().out
+
+
+def test_host_only_bench_runs_the_engine_on_its_masks():
+    """bench_sampling_features.py --host-only: the engine (async scheduling) with a stand-in runner that draws each
+    constrained row's token from the mask it was handed; it raises if any request broke its grammar."""
+    pytest.importorskip("xgrammar")
+    import bench_sampling_features
+    model = os.path.join(ROOT, "benchmarks", "models", "qwen3-0.6b")
+    res = bench_sampling_features.main(["--model", model, "--host-only", "--rows", "16", "--tokens", "12",
+                                        "--modes", "plain,json"])
+    assert set(res) == {"plain", "json"} and all(v > 0 for v in res.values())

@@ -6,6 +6,7 @@ import json
 import re
 
 import pytest
+import torch
 
 pytest.importorskip("xgrammar")
 
@@ -103,3 +104,70 @@ def test_grammar_cache_is_keyed_by_the_spec(llm):
     a = so.compile(StructuredOutputsParams(json=SCHEMA))
     assert so.compile(StructuredOutputsParams(json=json.dumps(SCHEMA))) is a
     assert so.compile(StructuredOutputsParams(json={**SCHEMA, "required": ["name"]})) is not a
+
+
+def test_masks_cover_the_tokenizer_and_the_reused_buffer_matches_fresh_masks(llm):
+    """The grammar's vocabulary is the tokenizer's ids (the model's padding is no special token to xgrammar), and
+    fill's reused buffer (rewritten each step, grown when a step has more rows) gives xgrammar's fresh masks."""
+    import xgrammar as xgr
+    so = llm.engine.structured
+    tok = llm.get_tokenizer()
+    assert llm.engine.vocab_size > len(tok) and so.num_tokens == len(tok)
+    specs = [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(regex=REGEX),
+             StructuredOutputsParams(choice=CHOICES), StructuredOutputsParams(json_object=True),
+             StructuredOutputsParams(regex=".*")]  # (allows any token: xgrammar sets the bits past the vocabulary)
+    matchers = [so.matcher(so.compile(s)) for s in specs for _ in range(2)]
+    g = torch.Generator().manual_seed(0)
+    for step in range(6):
+        live = [m for m in matchers if not m.is_terminated()]  # (the engine fills only these)
+        rows = live[:3] if step % 2 else live  # fewer rows, then more: views of one buffer
+        mask = so.fill(rows)
+        assert mask.shape == (len(rows), (len(tok) + 31) // 32)
+        tail = so.num_tokens % 32  # bits past the vocabulary: cleared (xgrammar may set them)
+        assert not (mask[:, -1] >> tail).any()
+        for i, m in enumerate(rows):
+            fresh = xgr.allocate_token_bitmask(1, so.num_tokens)
+            m.fill_next_token_bitmask(fresh)
+            fresh[0, -1] &= (1 << tail) - 1
+            assert torch.equal(mask[i], fresh[0])
+        for i, m in enumerate(rows):  # advance each by a random allowed token
+            bits = [t for t in range(so.num_tokens) if mask[i, t // 32] >> (t % 32) & 1]
+            assert bits
+            assert so.accept([m], [bits[int(torch.randint(len(bits), (1,), generator=g))]]) == [True]
+
+
+def test_bitmask_narrower_than_the_vocabulary_bans_the_tail():
+    from nanovllm.layers.logits_processing import apply_token_bitmask
+    x = torch.randn(3, 100)
+    mask = torch.zeros(2, 2, dtype=torch.int32)  # covers ids 0..63
+    mask[0, 0], mask[1, 1] = 0b1011, 1 << 4      # row 2: ids 0, 1, 3; row 0: id 36
+    y = x.clone()
+    apply_token_bitmask(y, torch.tensor([2, 0]), mask)
+    assert torch.equal(y[1], x[1])
+    assert torch.isfinite(y[2]).nonzero().flatten().tolist() == [0, 1, 3]
+    assert torch.isfinite(y[0]).nonzero().flatten().tolist() == [36] and y[0, 36] == x[0, 36]
+
+
+
+def test_late_masks_apply_in_the_logits_dtype():
+    """A deferred step's masks and bans are -inf: applied to bf16 logits in place (no float32 copy), the ids are the
+    float32 logits' (the fused sampler reads any dtype)."""
+    from dataclasses import replace
+
+    from nanovllm.engine.batch import LateInputs
+    from nanovllm.layers.sampler import Sampler
+    from tests.test_sampling import _tensors
+    V = 100
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(1)).bfloat16()
+    mask = torch.zeros(2, 3, dtype=torch.int32)
+    mask[0, 0], mask[1, 2] = 0b110, 0b1011  # row 1: ids 1, 2; row 3: ids 64, 65, 67
+    late = LateInputs(mask_rows=[1, 3], bitmask=mask, banned=[(3, 65)])
+    for temps in ([1.0], [0.0]):
+        t = replace(_tensors(4, temps), late=late)
+        want = Sampler()(logits.float(), t).token_ids
+        x = logits.clone()
+        got = Sampler()(x, t).token_ids
+        assert torch.equal(got, want) and x.dtype == torch.bfloat16
+        assert torch.isfinite(x[1]).nonzero().flatten().tolist() == [1, 2]
+        assert torch.isfinite(x[3]).nonzero().flatten().tolist() == [64, 67]
+        assert got[1] in (1, 2) and got[3] in (64, 67)

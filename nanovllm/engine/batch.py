@@ -122,7 +122,7 @@ class LateInputs:
     bitmasks (xgrammar's int32 words, bit j of word w = token 32 w + j allowed) for `mask_rows`, and banned
     (row, token) pairs (multi-token bad words)."""
     mask_rows: list[int] = field(default_factory=list)
-    bitmask: object = None          # (len(mask_rows), ceil(V / 32)) int32 CPU tensor, or None
+    bitmask: object = None          # (len(mask_rows), W) int32 CPU tensor, or None; ids >= 32 W are never allowed
     banned: list[tuple[int, int]] = field(default_factory=list)
 
 

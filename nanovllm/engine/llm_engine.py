@@ -162,7 +162,8 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("structured_outputs need a tokenizer, and this engine has none")
             from nanovllm.engine.structured import StructuredOutputs
-            self._structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            self._structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                                 pin_memory=self.config.device.type == "cuda")
         return self._structured
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, *,

@@ -9,10 +9,24 @@ sampler applies it on the device (layers/logits_processing.py). So grammar match
 a constrained sequence still decodes every step. Without async scheduling the same code runs in order.
 
 JSON is compiled compact (no free whitespace between tokens): a model, or noise, cannot stall in whitespace.
+
+Host cost per step (256 rows, see `bench_sampling_features.py --host-only`): one `batch_accept_token` (serial in
+xgrammar) and one `batch_fill_next_token_bitmask` (xgrammar's threads) over the constrained rows. Two choices keep
+it small:
+- The grammar's vocabulary is the tokenizer's ids, not the model's padded vocabulary (`num_tokens`): xgrammar
+  treats every id without text as a special token, and its accept_token costs time linear in their number (the
+  built-in tiny tokenizer has 483 ids; padded to Qwen's 151,936 that is 151,453 special ids and ~25 us per token
+  instead of ~2 us). Ids past the mask are never allowed in a constrained row (apply_token_bitmask).
+- The bitmask is one buffer reused every step (pinned on CUDA, so the runner's copy to the device is
+  asynchronous and never waits for the forward pass; a fresh 4.9 MB tensor a step cost 3-11 ms of page faults
+  on a 2-core machine). The next fill rewrites it: safe because the engine reads each step's result, which waits
+  for that step's sampling and so for the copy before it, before it fills the next step's masks
+  (llm_engine.step_tokens).
 """
 from __future__ import annotations
 
 import json
+import os
 from collections import OrderedDict
 
 import torch
@@ -77,15 +91,24 @@ def check_spec(spec: StructuredOutputsParams) -> None:
 class StructuredOutputs:
     """The engine's grammars: compile (cached), a matcher per sequence, bitmasks for a step's rows."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, pin_memory: bool = False):
         xgr = _import_xgrammar()
         self.xgr = xgr
         self.vocab_size = vocab_size
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                  stop_token_ids=sorted(stop_token_ids) or None)
+        stops = sorted(stop_token_ids)
+        # the ids a mask covers: the tokenizer's (and the stop ids), not the model's padding (module docstring)
+        self.num_tokens = min(vocab_size, max([len(tokenizer)] + [t + 1 for t in stops]))
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.num_tokens,
+                                                  stop_token_ids=stops or None)
         self.compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # our cache below: one, keyed by the spec
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
-        self._batch = xgr.BatchGrammarMatcher()
+        # xgrammar starts this many threads at each fill ("auto": half of what the host reports, which can be far
+        # more than the CPUs this process may use). A JSON object schema's fill costs ~14 us a row with Qwen's
+        # tokenizer (one core): 256 rows on 8 threads ~0.5 ms; a cheap grammar's ~2 us a row needs none
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self._batch = xgr.BatchGrammarMatcher(max(1, min(8, cpus // 2)))
+        self._pin = pin_memory
+        self._mask = torch.empty(0, xgr.get_bitmask_shape(1, self.num_tokens)[1], dtype=torch.int32)
 
     def compile(self, spec: StructuredOutputsParams):
         """The compiled grammar of a spec; ValueError naming the spec if it is malformed."""
@@ -121,7 +144,14 @@ class StructuredOutputs:
         return self._batch.batch_accept_token(matchers, tokens)
 
     def fill(self, matchers: list) -> torch.Tensor:
-        """(len(matchers), ceil(V / 32)) int32 bitmask of the next token of each matcher (threads in xgrammar)."""
-        mask = self.xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        """(len(matchers), ceil(num_tokens / 32)) int32 bitmask of the next token of each matcher (threads in
+        xgrammar): a view of the reused buffer, valid until the next fill (module docstring)."""
+        n = len(matchers)
+        if n > self._mask.shape[0]:  # grows to the most rows a step has constrained (xgrammar writes whole rows)
+            self._mask = torch.empty(max(n, 2 * self._mask.shape[0]), self._mask.shape[1], dtype=torch.int32,
+                                     pin_memory=self._pin)
+        mask = self._mask[:n]
         self._batch.batch_fill_next_token_bitmask(matchers, mask)
+        if self.num_tokens % 32:  # xgrammar may leave bits past the vocabulary set (a state allowing "anything")
+            mask[:, -1] &= (1 << (self.num_tokens % 32)) - 1
         return mask

@@ -34,16 +34,30 @@ def penalties_ref(logits: torch.Tensor, counts: torch.Tensor, prompt: torch.Tens
     return logits - frequency[:, None] * counts - presence[:, None] * seen
 
 
-def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """logits[rows[i], t] = -inf where bit t of row i of the (R, ceil(V / 32)) int32 bitmask is 0, in place.
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor without waiting for the device: on CUDA through pinned memory (a copy from
+    pageable memory makes the host wait for every kernel already queued, the forward pass included; torch's caching
+    host allocator keeps the pinned block until its copy is done)."""
+    return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
 
-    The int32 words are read as little-endian bytes: token 8 * byte + bit."""
-    V = logits.shape[1]
-    nbytes = bitmask.shape[1] * 4
-    b = bitmask.contiguous().view(torch.uint8).view(-1, nbytes)                       # (R, W * 4)
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """logits[rows[i], t] = -inf where bit t of row i of the (R, W) int32 bitmask is 0, and for every t >= 32 W
+    (ids the mask does not cover: the tail of a vocabulary padded past the tokenizer's ids), in place.
+
+    The int32 words are read as little-endian bytes: token 8 * byte + bit. In place on all (S, V) logits (the other
+    rows' words all ones), with no gather and scatter of the masked rows: one pass over the logits."""
+    S, V = logits.shape
+    W = bitmask.shape[1]
+    n = min(V, W * 32)
+    full = torch.full((S, W), -1, dtype=torch.int32, device=logits.device)
+    full[rows] = bitmask
+    b = full.view(torch.uint8)                                                        # (S, W * 4)
     shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
-    allowed = ((b[:, :, None] >> shifts) & 1).view(b.shape[0], nbytes * 8)[:, :V].bool()  # (R, V)
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    banned = ((b[:, :, None] >> shifts) & 1).view(S, -1)[:, :n] == 0                  # (S, n)
+    logits[:, :n].masked_fill_(banned, float("-inf"))
+    if n < V:
+        logits[rows, n:] = float("-inf")
 
 
 @dataclass
@@ -90,7 +104,7 @@ class SlotState:
             self.bias = self._grow(None, torch.float32, self.capacity)
 
     def _ints(self, xs: list[int]) -> torch.Tensor:
-        return torch.tensor(xs, dtype=torch.int64).to(self.device, non_blocking=True)
+        return to_device(xs, torch.int64, self.device)
 
     def prepare(self, fb: FeatureBatch) -> DeviceFeatures:
         """Set up this step's new slots and return its rows' tensors (a handful of small host-to-device copies)."""
@@ -104,16 +118,16 @@ class SlotState:
                 if fb.prompt_slots:
                     self.prompt[self._ints(fb.prompt_slots), self._ints(fb.prompt_tokens)] = True
             if self.bias is not None:
-                start = torch.tensor([float("-inf") if a else 0.0 for a in fb.init_allow_only], dtype=torch.float32)
-                self.bias[init] = start.to(self.device, non_blocking=True)[:, None]
+                start = to_device([float("-inf") if a else 0.0 for a in fb.init_allow_only], torch.float32,
+                                  self.device)
+                self.bias[init] = start[:, None]
                 if fb.allow_slots:
                     self.bias[self._ints(fb.allow_slots), self._ints(fb.allow_tokens)] = 0.0
                 if fb.bias_slots:
-                    vals = torch.tensor(fb.bias_values, dtype=torch.float32).to(self.device, non_blocking=True)
+                    vals = to_device(fb.bias_values, torch.float32, self.device)
                     self.bias.index_put_((self._ints(fb.bias_slots), self._ints(fb.bias_tokens)), vals,
                                          accumulate=True)
-        pens = torch.tensor([fb.presence, fb.frequency, fb.repetition], dtype=torch.float32)
-        pens = pens.to(self.device, non_blocking=True)
+        pens = to_device([fb.presence, fb.frequency, fb.repetition], torch.float32, self.device)
         idx = self._ints(fb.rows + fb.slots)
         R = len(fb.rows)
         return DeviceFeatures(rows=idx[:R], slots=idx[R:], presence=pens[0], frequency=pens[1], repetition=pens[2],
@@ -138,10 +152,13 @@ class SlotState:
 
 
 def apply_late(logits: torch.Tensor, late: LateInputs, device: torch.device) -> None:
-    """A deferred step's masks and bans (engine-filled once the previous step's tokens were known), in place."""
+    """A deferred step's masks and bans (engine-filled once the previous step's tokens were known), in place.
+    Every copy is asynchronous (the bitmask is pinned on CUDA: engine/structured.py), so the host goes on to the
+    next step while the forward pass runs."""
     if late.mask_rows:
-        rows = torch.tensor(late.mask_rows, dtype=torch.int64).to(device, non_blocking=True)
+        rows = to_device(late.mask_rows, torch.int64, device)
         apply_token_bitmask(logits, rows, late.bitmask.to(device, non_blocking=True))
     if late.banned:
-        pairs = torch.tensor(late.banned, dtype=torch.int64).T.contiguous().to(device, non_blocking=True)
-        logits[pairs[0], pairs[1]] = float("-inf")
+        pairs = to_device([r for r, _ in late.banned] + [t for _, t in late.banned], torch.int64, device)
+        n = len(late.banned)
+        logits[pairs[:n], pairs[n:]] = float("-inf")

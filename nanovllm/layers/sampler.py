@@ -221,12 +221,11 @@ class Sampler(nn.Module):
         out = SamplerOutput(token_ids=torch.empty(0))
         if t.max_logprobs is not None:  # of the raw logits (vLLM's default), before anything below changes them
             logp = torch.log_softmax(logits.float(), dim=-1)
-        if t.features is not None or t.late is not None:
+        if t.late is not None:  # masks and bans are -inf: exact in any dtype, no float32 copy for them
+            apply_late(logits, t.late, logits.device)
+        if t.features is not None:
             logits = logits.float()  # (a copy unless float32 already)
-            if t.late is not None:
-                apply_late(logits, t.late, logits.device)
-            if t.features is not None:
-                t.slot_state.apply(logits, t.features)
+            t.slot_state.apply(logits, t.features)
         if t.banned_rows is not None:
             logits[t.banned_rows, t.banned_tokens] = float("-inf")
         filters = t.need_top_k or t.need_top_p or t.need_min_p
