@@ -29,7 +29,7 @@ from nanovllm.kernels.prefill_config import SHORT_MAX_Q
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.context import LayerContext
 from nanovllm.layers.linear import GemmPlan, UnquantizedLinearMethod
-from nanovllm.layers.logits_processing import SlotState
+from nanovllm.layers.logits_processing import SlotState, to_device
 from nanovllm.layers.ops import select_ops
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from nanovllm.models.loader import init_dummy, load_safetensors, process_weights_after_loading
@@ -211,8 +211,8 @@ class ModelRunner:
     def _prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
         """Raw log-probability, 1-based rank and top tokens of each prompt token a row of `hidden` (T, hidden)
         predicts (batch.prompt_lp_rows / _targets), a few hundred rows at a time (their logits are (rows, V))."""
-        rows = torch.tensor(batch.prompt_lp_rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        targets = torch.tensor(batch.prompt_lp_targets, dtype=torch.int64).to(self.device, non_blocking=True)
+        rows = to_device(batch.prompt_lp_rows, torch.int64, self.device)
+        targets = to_device(batch.prompt_lp_targets, torch.int64, self.device)
         k = batch.prompt_lp_k
         parts: dict[str, list[torch.Tensor]] = {"logprobs": [], "ranks": [], "top_logprobs": [], "top_ids": []}
         for i in range(0, rows.numel(), 256):
@@ -235,12 +235,12 @@ class ModelRunner:
             if v.banned_rows.numel() == len(sb.banned):
                 banned = v.banned_rows, v.banned_tokens
             else:  # a CUDA graph's staging layout has no room for them: a separate small copy
-                pairs = torch.tensor(sb.banned, dtype=torch.int32).T.contiguous().to(self.device, non_blocking=True)
-                banned = pairs[0], pairs[1]
+                pairs = to_device([r for r, _ in sb.banned] + [t for _, t in sb.banned], torch.int32, self.device)
+                banned = pairs[:len(sb.banned)], pairs[len(sb.banned):]
         drafts = None
         if sb.drafts is not None:  # speculative decoding: one small copy of the verifying rows and their drafts
             d = sb.drafts
-            flat = torch.tensor(d.first_rows + d.tokens, dtype=torch.int64).to(self.device, non_blocking=True)
+            flat = to_device(d.first_rows + d.tokens, torch.int64, self.device)
             N = len(d.first_rows)
             drafts = flat[:N], flat[N:].view(N, d.width)
         return SamplingTensors(
