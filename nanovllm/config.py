@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanovllm.distributed.nodes import NodeConfig, validate_node_args
 from nanovllm.layers.quantization import SUPPORTED as QUANTIZATION_METHODS
 from nanovllm.layers.quantization import QuantizationConfig, resolve_quantization
 from nanovllm.model_config import ModelConfig
@@ -51,6 +52,11 @@ class EngineArgs:
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     speculative_config: dict | None = None  # speculative decoding (vLLM's dict; see SpeculativeConfig)
+    # multi-node tensor parallelism (distributed/nodes.py); None: one node
+    nnodes: int | None = None
+    node_rank: int | None = None
+    master_addr: str | None = None         # the leader's (node 0's) address
+    master_port: int | None = None         # its rendezvous port (default 29501)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> EngineArgs:
@@ -113,6 +119,8 @@ class EngineArgs:
         need("kv_cache_dtype", self.kv_cache_dtype == "auto" or self.kv_cache_dtype in KV_CACHE_DTYPES,
              "'auto', " + " or ".join(map(repr, KV_CACHE_DTYPES)))
         SpeculativeConfig.from_dict(self.speculative_config)  # raises on a bad key or value
+        validate_node_args(self.tensor_parallel_size, self.nnodes, self.node_rank, self.master_addr,
+                           self.master_port)
 
 
 SCHEDULING_POLICIES = ("fcfs", "balanced")  # see nanovllm.engine.scheduler
@@ -248,6 +256,7 @@ class EngineConfig:
         """The KV cache's element type: float8_e4m3fn (with per-(token, head) scales), or the model dtype."""
         return self.dtype if self.kv_cache_dtype is None else self.kv_cache_dtype
     speculative: SpeculativeConfig | None = None
+    nodes: NodeConfig = NodeConfig()                 # where the tensor-parallel ranks run (one node by default)
 
     @classmethod
     def resolve(cls, args: EngineArgs) -> EngineConfig:
@@ -297,7 +306,7 @@ class EngineConfig:
             backend = "triton" if device.type == "cuda" else "torch"
         if args.tensor_parallel_size != 1:
             from nanovllm.distributed import check_tp_supported
-            check_tp_supported(args.tensor_parallel_size, mcfg, device)
+            check_tp_supported(args.tensor_parallel_size, mcfg, device, nnodes=args.nnodes or 1)
         # schedule step N+1 while step N runs: pays off when the device runs asynchronously to the host
         # (one rank, or tensor parallel: TPExecutor.launch keeps a step queued on every rank)
         async_sched = args.async_scheduling
@@ -313,4 +322,5 @@ class EngineConfig:
                    max_model_len=max_model_len, max_num_batched_tokens=max_batched,
                    max_num_seqs=max_num_seqs, block_size=args.kvcache_block_size, attention_backend=backend,
                    async_scheduling=async_sched, scheduling_policy=policy, quantization=quant,
-                   kv_cache_dtype=kv_dtype, speculative=SpeculativeConfig.from_dict(args.speculative_config))
+                   kv_cache_dtype=kv_dtype, speculative=SpeculativeConfig.from_dict(args.speculative_config),
+                   nodes=NodeConfig.from_args(args, os.environ))
