@@ -153,7 +153,8 @@ class _Node:
         elif isinstance(msg, Failed):
             what = f"tensor-parallel worker rank {msg.rank} (pid {self.procs[i].pid}) on {self.nodes.describe(self.k)}"
             if blames_a_peer(msg):  # its collective or the step broadcast lost a peer: the fallout, not the cause
-                self._fail(NodeReport(self.k, f"{what} lost a peer (the leader or another node is gone?): "
+                self._fail(NodeReport(self.k, f"{what} lost its connection to the other ranks (the leader or another "
+                                              f"node is gone): "
                                               f"{msg.exc_type}: {msg.message}", msg.exc_type, peer_error=True))
             self._fail(NodeReport(self.k, f"{what} raised {msg.exc_type}: {msg.message}", msg.exc_type, msg.traceback,
                                   config_error=msg.during_init and msg.exc_type in ("ValueError", "TypeError")))

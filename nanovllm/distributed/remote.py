@@ -171,7 +171,9 @@ class NodeWatch:
 
     `poll()` (called at most every HEARTBEAT_S while the driver waits) returns the first problem it sees, or None:
     a node's report, a joined node silent for `heartbeat_timeout` seconds, a node not joined `join_timeout`
-    seconds after start."""
+    seconds after start. A report of a peer error (a rank's collective lost another rank) is the fallout of a
+    failure seen elsewhere (a local rank's pipe or sentinel, another node's report or silence), so it is returned
+    only if nothing else has failed `heartbeat_timeout` seconds later."""
 
     def __init__(self, store, nodes, *, join_timeout: float, heartbeat_timeout: float):
         self.store, self.nodes = store, nodes
@@ -181,6 +183,7 @@ class NodeWatch:
         self._beat: dict[int, tuple[int, float]] = {}   # node -> (counter, when it last changed)
         self._joined: set[int] = set()
         self._next_poll = 0.0
+        self._peer_seen: dict[int, float] = {}          # node -> when its peer-error report was first seen
 
     @classmethod
     def start(cls, config, init_timeout: float | None) -> NodeWatch:
@@ -241,16 +244,18 @@ class NodeWatch:
             return None
         self._next_poll = now + HEARTBEAT_S
         reports = self.reports()
-        if reports:
-            return next(iter(reports.values()))
+        for k, report in reports.items():
+            if not report.peer_error or now - self._peer_seen.setdefault(k, now) > self.heartbeat_timeout:
+                return report
         self._beats(now)
         for k in self.others:
             if k in self._joined:
                 silent = now - self._beat[k][1]
                 if silent > self.heartbeat_timeout:
-                    return NodeReport(k, f"{self.nodes.describe(k)} stopped sending heartbeats {silent:.1f}s ago: "
-                                         f"its host or its nanovllm process died, or the network to it is down "
-                                         f"(NANOVLLM_TP_HEARTBEAT_TIMEOUT={self.heartbeat_timeout:g}s)")
+                    return reports.get(k) or NodeReport(
+                        k, f"{self.nodes.describe(k)} stopped sending heartbeats {silent:.1f}s ago: its host or its "
+                           f"nanovllm process died, or the network to it is down "
+                           f"(NANOVLLM_TP_HEARTBEAT_TIMEOUT={self.heartbeat_timeout:g}s)")
         if now - self.started > self.join_timeout:
             return self.missing_report()
         return None

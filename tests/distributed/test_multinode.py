@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -58,6 +59,18 @@ def leader(path: str, port: int) -> LLM:
                **ENGINE_KW)
 
 
+def _worker_of(pid: int) -> int:
+    """The pid of the rank process under node process `pid` (not multiprocessing's resource tracker)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        children = f.read().split()
+    for child in children:
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            cmd = f.read().decode(errors="replace")
+        if "spawn_main" in cmd and "resource_tracker" not in cmd:
+            return int(child)
+    raise AssertionError(f"no rank process under {pid}: {children}")
+
+
 def _kill_tree(node: subprocess.Popen) -> None:
     try:
         os.killpg(node.pid, signal.SIGKILL)
@@ -102,31 +115,44 @@ def test_two_nodes_match_tp1_and_shut_down_cleanly(cluster):
     assert node.wait(15) == 0, node.stdout.read()
 
 
-@pytest.mark.parametrize("fault", ["kill", "freeze"])
+@pytest.mark.parametrize("fault", ["kill", "freeze", "kill-rank"])
 def test_lost_node_fails_the_leader_naming_it(cluster, fault):
     """kill: node 1's whole process tree is SIGKILLed (its sockets close: the step's collective fails at once).
     freeze: it is SIGSTOPped (sockets open, no heartbeat: a host that hangs); the leader's step fails once the
-    heartbeat timeout is up, never waiting for the collective's own timeout."""
+    heartbeat timeout is up, never waiting for the collective's own timeout. kill-rank: only node 1's rank dies;
+    node 1 reports it (and exits 1), and the leader's error says which rank on which node."""
     _, llm, node = cluster
     prompts = make_prompts((6, 3), 1, high=480)
     llm.generate(prompts, GREEDY, use_tqdm=False)
     for i, p in enumerate(prompts):
         llm.engine.add_request(f"long-{i}", p, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
     llm.engine.step()
-    os.killpg(node.pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+    if fault == "kill-rank":
+        rank1 = _worker_of(node.pid)
+        os.kill(rank1, signal.SIGKILL)
+    else:
+        os.killpg(node.pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
     t0 = time.monotonic()
     try:
         with pytest.raises(RuntimeError) as info:
             while llm.engine.has_unfinished_requests():
                 llm.engine.step()
         elapsed = time.monotonic() - t0
+        if fault == "kill-rank":
+            assert node.wait(10) == 1
     finally:
         _kill_tree(node)
     headline = str(info.value).splitlines()[0]
-    assert headline.startswith("node 1 (rank 1) stopped sending heartbeats"), str(info.value)[:2000]
-    # kill: rank 0's collective fails at once, then the heartbeat verdict (BLAME_WINDOW_S, 2 s); freeze: the
-    # heartbeat timeout, then the failure grace (1 s). Room for a loaded 2-core machine either way.
-    assert elapsed < (6 if fault == "kill" else HEARTBEAT_TIMEOUT + 5), elapsed
+    if fault == "kill-rank":
+        assert headline == (f"tensor-parallel worker rank 1 (pid {rank1}) on node 1 (rank 1) died unexpectedly "
+                            f"(killed by signal SIGKILL)"), str(info.value)[:2000]
+        assert "died unexpectedly (killed by signal SIGKILL)" in node.stdout.read()
+    else:
+        assert headline.startswith("node 1 (rank 1) stopped sending heartbeats"), str(info.value)[:2000]
+    # kill: rank 0's collective fails at once, then the heartbeat verdict (BLAME_WINDOW_S, 2 s); kill-rank: node
+    # 1's report comes within that window; freeze: the heartbeat timeout, then the failure grace (1 s). Room for a
+    # loaded 2-core machine either way.
+    assert elapsed < (HEARTBEAT_TIMEOUT + 5 if fault == "freeze" else 6), elapsed
     assert not llm.engine.runner.is_alive
 
 
@@ -154,7 +180,10 @@ def test_killed_leader_stops_the_other_node(tiny_ckpt):
         assert node.wait(15) == 1
         assert time.monotonic() - t0 < 5
         out = node.stdout.read()
-        assert "nanovllm serve --headless: tensor-parallel worker rank 1" in out and "lost a peer" in out, out
+        # whichever it sees first: the step broadcast failing under rank 1, or the leader's store gone
+        assert re.search(r"nanovllm serve --headless: (tensor-parallel worker rank 1 \(pid \d+\) on node 1 \(rank 1\) "
+                         r"lost its connection to the other ranks|node 1 \(rank 1\) lost the leader: its rendezvous "
+                         r"at 127.0.0.1:\d+ stopped answering)", out), out
     finally:
         _kill_tree(lead)
         _kill_tree(node)
