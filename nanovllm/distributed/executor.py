@@ -197,7 +197,7 @@ class TPExecutor:
             if nodes.multinode:
                 from nanovllm.distributed.remote import NodeWatch
                 self._res.watch = NodeWatch.start(config, self.init_timeout)
-                self._res.store = self._res.watch.store
+                self._res.store = self._res.watch.tcp_store
                 host = nodes.master_addr if nodes.use_agent_store else host
             else:
                 self._res.store = dist.TCPStore(host, 0, None, True, wait_for_workers=False)

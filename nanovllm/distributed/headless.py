@@ -58,7 +58,7 @@ def run_headless(args, *, init_timeout: float | None = None) -> int:
                          f"nnodes={nodes.nnodes}, node_rank={k} (node 0 runs nanovllm serve without --headless)")
     if init_timeout is None:
         init_timeout = _env_timeout("NANOVLLM_TP_INIT_TIMEOUT") or _PG_TIMEOUT.total_seconds()
-    store = open_store(nodes, leader=False, timeout=init_timeout)
+    _, store = open_store(nodes, leader=False, timeout=init_timeout)
     store.add(key("hb", k), 1)
     try:
         config = EngineConfig.resolve(args)

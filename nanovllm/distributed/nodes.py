@@ -94,15 +94,19 @@ class NodeConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = DEFAULT_MASTER_PORT
     use_agent_store: bool = False  # under torchrun: its agent hosts the store at master_addr:master_port
+    # the namespace of this run's keys in that store: torchrun keeps its store across restarts of the workers
+    store_prefix: str = "nanovllm/0"
 
     @classmethod
     def from_args(cls, args, env=None) -> NodeConfig:
-        """From EngineArgs (already validated). `env`: only TORCHELASTIC_USE_AGENT_STORE is read from it."""
+        """From EngineArgs (already validated). `env`: only torchrun's TORCHELASTIC_USE_AGENT_STORE and
+        TORCHELASTIC_RESTART_COUNT are read from it."""
         env = env or {}
         return cls(tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes or 1,
                    node_rank=args.node_rank or 0, master_addr=args.master_addr or "127.0.0.1",
                    master_port=args.master_port or DEFAULT_MASTER_PORT,
-                   use_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+                   use_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+                   store_prefix=f"nanovllm/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}")
 
     @property
     def multinode(self) -> bool:

@@ -31,7 +31,6 @@ from datetime import timedelta
 HEARTBEAT_S = 0.5            # how often a node beats
 HEARTBEAT_TIMEOUT_S = 10.0   # a node silent this long is dead (normal operation)
 BLAME_WINDOW_S = 2.0         # after a failure: a node whose beat does not advance twice in this window is dead
-PREFIX = "nanovllm/"
 # a control group only carries steps; an idle server sends none for hours, so its waits must not time out (a dead
 # leader is seen through the store instead)
 CONTROL_GROUP_TIMEOUT = timedelta(days=365)
@@ -53,12 +52,20 @@ def heartbeat_timeout() -> float:
 
 
 def key(name: str, node: int | None = None) -> str:
-    return PREFIX + name + ("" if node is None else f"/{node}")
+    """A control key (in the store `open_store` returns, under NodeConfig.store_prefix)."""
+    return name + ("" if node is None else f"/{node}")
 
 
 def open_store(nodes, *, leader: bool, timeout: float):
     """The rendezvous TCPStore at master_addr:master_port: hosted by the leader's driver, or (torchrun, or any other
-    node) a client of it. A client waits up to `timeout` seconds for it to come up."""
+    node) a client of it. A client waits up to `timeout` seconds for it to come up. Returns (the TCPStore, its
+    view under this run's prefix: the control keys; the process group's keys are under prefix/pg)."""
+    raw = _tcp_store(nodes, leader, timeout)
+    import torch.distributed as dist
+    return raw, dist.PrefixStore(nodes.store_prefix, raw)
+
+
+def _tcp_store(nodes, leader: bool, timeout: float):
     import torch.distributed as dist
     td = timedelta(seconds=timeout)
     host, port = nodes.master_addr, nodes.master_port
@@ -175,8 +182,9 @@ class NodeWatch:
     failure seen elsewhere (a local rank's pipe or sentinel, another node's report or silence), so it is returned
     only if nothing else has failed `heartbeat_timeout` seconds later."""
 
-    def __init__(self, store, nodes, *, join_timeout: float, heartbeat_timeout: float):
-        self.store, self.nodes = store, nodes
+    def __init__(self, stores, nodes, *, join_timeout: float, heartbeat_timeout: float):
+        self.tcp_store, self.store = stores  # the TCPStore (its server, when the leader hosts it), the control keys
+        self.nodes = nodes
         self.join_timeout, self.heartbeat_timeout = join_timeout, heartbeat_timeout
         self.started = time.monotonic()
         self.others = list(range(1, nodes.nnodes))

@@ -88,9 +88,11 @@ def init_process_group(spec: WorkerSpec):
     else:
         backend = "gloo"
     store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=_PG_TIMEOUT)
+    nodes = spec.config.nodes
+    if nodes.multinode:  # the leader's store may be torchrun's, kept across restarts: this run's keys only
+        store = dist.PrefixStore(nodes.store_prefix + "/pg", store)
     dist.init_process_group(backend, store=store, rank=spec.rank, world_size=spec.size, timeout=_PG_TIMEOUT,
                             **kwargs)
-    nodes = spec.config.nodes
     if not nodes.multinode:
         return dist.group.WORLD, None
     from nanovllm.distributed.remote import CONTROL_GROUP_TIMEOUT, StepBroadcast
