@@ -179,7 +179,7 @@ class TPExecutor:
         if nodes.node_rank != 0:
             raise ValueError(f"node_rank={nodes.node_rank}: the engine runs on node 0; the other nodes run only "
                              f"workers (`nanovllm serve MODEL --headless --node-rank {nodes.node_rank} ...`)")
-        self.size = nodes.ranks_per_node  # the ranks on this node, each with a pipe: 0 .. size - 1
+        self.size = self.tp_size // nodes.nnodes  # the ranks on this node, each with a pipe: 0 .. size - 1
         self.init_timeout = init_timeout if init_timeout is not None else _env_timeout("NANOVLLM_TP_INIT_TIMEOUT")
         self.step_timeout = step_timeout if step_timeout is not None else _env_timeout("NANOVLLM_TP_STEP_TIMEOUT")
         self._failure: str | None = None
