@@ -77,6 +77,8 @@ def run_headless(args, *, init_timeout: float | None = None) -> int:
 
 
 class _Node:
+    """This node's ranks: spawned, watched (pipes, sentinels, the leader's store), stopped."""
+
     def __init__(self, config, nodes, store):
         self.config, self.nodes, self.store = config, nodes, store
         self.k = nodes.node_rank
