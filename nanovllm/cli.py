@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 
@@ -37,6 +38,13 @@ _HELP = {
                     "block-FP8 checkpoints such as Qwen3-*-FP8 load as they are)",
     "kv_cache_dtype": "'auto' (default: the model dtype) or 'fp8' / 'fp8_e4m3': e4m3 K/V with a float32 scale per "
                       "token and KV head (about 1.9x the tokens per GiB)",
+    "nnodes": "nodes the tensor-parallel ranks are spread over, tensor_parallel_size / nnodes each (default: "
+              "$LWS_GROUP_SIZE, else $WORLD_SIZE under torchrun --nproc-per-node 1, else 1)",
+    "node_rank": "this node's index, 0 = the leader (API server, scheduler); others run --headless (default: "
+                 "$LWS_WORKER_INDEX, else $RANK, else 0)",
+    "master_addr": "the leader's address, where the other nodes join (default: $LWS_LEADER_ADDRESS, else "
+                   "$MASTER_ADDR)",
+    "master_port": "the leader's rendezvous port (default: $MASTER_PORT, else 29501)",
     "speculative_config": "speculative decoding as JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                           "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (default: none)",
     "kv_events_config": "KV-cache events for prefix-aware routers (vLLM's), as JSON, e.g. "
@@ -81,17 +89,31 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("m
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
             typ = {int: int, float: float}.get(type(default), str)
-            if f.name in ("max_model_len", "max_num_batched_tokens", "num_kvcache_blocks"):
+            if f.name in ("max_model_len", "max_num_batched_tokens", "num_kvcache_blocks", "nnodes", "node_rank",
+                          "master_port"):
                 typ = int
             if str(f.type).startswith("dict"):
                 typ = json_object
             group.add_argument(flag, type=typ, default=None, help=text)
 
 
-def engine_kwargs(ns: argparse.Namespace) -> dict:
-    """The engine arguments the user actually gave (others keep EngineArgs' defaults)."""
-    return {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)
-            if f.name != "model" and getattr(ns, f.name, None) is not None}
+def engine_kwargs(ns: argparse.Namespace, env=None) -> dict:
+    """The engine arguments the user actually gave (others keep EngineArgs' defaults), the node arguments not given
+    filled from the environment (LeaderWorkerSet's, torchrun's: distributed/nodes.py). A bad node value is a
+    ValueError that says which variable it came from."""
+    from nanovllm.distributed.nodes import ENV_SOURCES, env_source, node_kwargs_from_env, validate_node_args
+    env = os.environ if env is None else env
+    given = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)
+             if f.name != "model" and getattr(ns, f.name, None) is not None}
+    kwargs = {**given, **node_kwargs_from_env(given, env)}
+    from_env = [f"{n}={kwargs[n]!r} from {env_source(n, given, env)}" for n in ENV_SOURCES
+                if n in kwargs and n not in given]
+    if from_env:
+        try:
+            validate_node_args(kwargs.get("tensor_parallel_size", 1), *(kwargs.get(n) for n in ENV_SOURCES))
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"{e} ({', '.join(from_env)})") from None
+    return kwargs
 
 
 def default_model(model: str | None) -> str:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanovllm.distributed.nodes import NodeConfig, validate_node_args
 from nanovllm.layers.quantization import SUPPORTED as QUANTIZATION_METHODS
 from nanovllm.layers.quantization import QuantizationConfig, resolve_quantization
 from nanovllm.model_config import ModelConfig
@@ -52,6 +53,11 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     speculative_config: dict | None = None  # speculative decoding (vLLM's dict; see SpeculativeConfig)
     kv_events_config: dict | KVEventsConfig | None = None  # KV-cache events (vLLM's dict; see KVEventsConfig)
+    # multi-node tensor parallelism (distributed/nodes.py); None: one node
+    nnodes: int | None = None
+    node_rank: int | None = None
+    master_addr: str | None = None         # the leader's (node 0's) address
+    master_port: int | None = None         # its rendezvous port (default 29501)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> EngineArgs:
@@ -115,6 +121,8 @@ class EngineArgs:
              "'auto', " + " or ".join(map(repr, KV_CACHE_DTYPES)))
         SpeculativeConfig.from_dict(self.speculative_config)  # raises on a bad key or value
         KVEventsConfig.from_dict(self.kv_events_config)
+        validate_node_args(self.tensor_parallel_size, self.nnodes, self.node_rank, self.master_addr,
+                           self.master_port)
 
 
 SCHEDULING_POLICIES = ("fcfs", "balanced")  # see nanovllm.engine.scheduler
@@ -335,6 +343,7 @@ class EngineConfig:
         return self.dtype if self.kv_cache_dtype is None else self.kv_cache_dtype
     speculative: SpeculativeConfig | None = None
     kv_events: KVEventsConfig | None = None          # None: no KV-cache events (not enabled, or publisher "null")
+    nodes: NodeConfig = NodeConfig()                 # where the tensor-parallel ranks run (one node by default)
 
     @classmethod
     def resolve(cls, args: EngineArgs) -> EngineConfig:
@@ -384,7 +393,7 @@ class EngineConfig:
             backend = "triton" if device.type == "cuda" else "torch"
         if args.tensor_parallel_size != 1:
             from nanovllm.distributed import check_tp_supported
-            check_tp_supported(args.tensor_parallel_size, mcfg, device)
+            check_tp_supported(args.tensor_parallel_size, mcfg, device, nnodes=args.nnodes or 1)
         # schedule step N+1 while step N runs: pays off when the device runs asynchronously to the host
         # (one rank, or tensor parallel: TPExecutor.launch keeps a step queued on every rank)
         async_sched = args.async_scheduling
@@ -403,3 +412,4 @@ class EngineConfig:
                    async_scheduling=async_sched, scheduling_policy=policy, quantization=quant,
                    kv_cache_dtype=kv_dtype, speculative=SpeculativeConfig.from_dict(args.speculative_config),
                    kv_events=kv_events if kv_events is not None and kv_events.publishes else None)
+                   nodes=NodeConfig.from_args(args, os.environ))

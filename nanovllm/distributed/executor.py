@@ -31,21 +31,34 @@ gathers what the other ranks report for a moment, kills every worker and raises 
 for a configuration error raised while the workers start). Its headline names the rank at fault: one that died,
 else one that raised an error of its own, never a survivor whose collective merely lost that rank (`_fail`).
 After that the executor is shut down.
+
+Several nodes (`EngineConfig.nodes`, docs/scale-out.md): the driver spawns only node 0's ranks (pipes as above)
+and hosts the rendezvous at master_addr:master_port; rank 0 forwards every driver message to the other nodes'
+ranks over torch.distributed, and `NodeWatch` (distributed/remote.py) folds the other nodes' reports and
+heartbeats into the same failure path.
 """
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
 import os
-import re
-import signal
 import time
 import weakref
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as mp_wait
 
 from nanovllm.config import EngineConfig
-from nanovllm.distributed.protocol import Done, Failed, FlushMsg, Ready, ShutdownMsg, StepMsg, encode
+from nanovllm.distributed.protocol import (
+    Done,
+    Failed,
+    FlushMsg,
+    Ready,
+    ShutdownMsg,
+    StepMsg,
+    blames_a_peer,
+    describe_exit,
+    encode,
+)
 from nanovllm.distributed.worker import WorkerSpec, worker_main
 
 logger = logging.getLogger(__name__)
@@ -61,34 +74,13 @@ def _env_timeout(name: str) -> float | None:
     return float(v)
 
 
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-# a collective that lost a peer: gloo's "Connection reset/closed by peer", "Broken pipe", "Timed out waiting
-# ...", NCCL's "remote process exited or there was a network error" / an aborted communicator
-_PEER_ERROR = re.compile(r"by peer|connection (reset|closed|refused)|broken pipe|socket closed|timed out|"
-                         r"remote process|network error|communicator was aborted", re.IGNORECASE)
-
-
-def _blames_a_peer(m: Failed) -> bool:
-    """Whether a rank's error looks like the fallout of another rank's failure, not a failure of its own."""
-    return m.exc_type in ("DistError", "DistBackendError", "DistNetworkError") or bool(_PEER_ERROR.search(m.message))
-
-
 @dataclass
 class _Resources:
     """What the finalizer must release; holds no reference to the executor itself."""
     procs: list = field(default_factory=list)
     conns: list = field(default_factory=list)
     store: object = None
+    watch: object = None   # NodeWatch with several nodes (distributed/remote.py)
     graceful: bool = True  # False once a worker failed: don't ask politely, kill
 
 
@@ -114,6 +106,11 @@ def _release(res: _Resources) -> None:
         if p.is_alive():
             p.kill()
             p.join(2.0)
+    if res.watch is not None:  # the other nodes' ranks got the ShutdownMsg through rank 0, else this stops them
+        if res.graceful:
+            res.watch.wait_done(SHUTDOWN_JOIN_S)
+        res.watch.abort("" if res.graceful else "the leader failed")
+        res.watch = None
     for conn in res.conns:
         try:
             conn.close()
@@ -175,9 +172,14 @@ class TPExecutor:
         import torch.distributed as dist
 
         self.config = config
-        self.size = config.args.tensor_parallel_size
-        if self.size < 2:
-            raise ValueError(f"TPExecutor needs tensor_parallel_size >= 2, got {self.size}")
+        nodes = config.nodes
+        self.tp_size = config.args.tensor_parallel_size
+        if self.tp_size < 2:
+            raise ValueError(f"TPExecutor needs tensor_parallel_size >= 2, got {self.tp_size}")
+        if nodes.node_rank != 0:
+            raise ValueError(f"node_rank={nodes.node_rank}: the engine runs on node 0; the other nodes run only "
+                             f"workers (`nanovllm serve MODEL --headless --node-rank {nodes.node_rank} ...`)")
+        self.size = self.tp_size // nodes.nnodes  # the ranks on this node, each with a pipe: 0 .. size - 1
         self.init_timeout = init_timeout if init_timeout is not None else _env_timeout("NANOVLLM_TP_INIT_TIMEOUT")
         self.step_timeout = step_timeout if step_timeout is not None else _env_timeout("NANOVLLM_TP_STEP_TIMEOUT")
         self._failure: str | None = None
@@ -191,11 +193,18 @@ class TPExecutor:
         self._res = _Resources()
         self._finalizer = weakref.finalize(self, _release, self._res)
         try:
-            self._res.store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+            host = "127.0.0.1"
+            if nodes.multinode:
+                from nanovllm.distributed.remote import NodeWatch
+                self._res.watch = NodeWatch.start(config, self.init_timeout)
+                self._res.store = self._res.watch.tcp_store
+                host = nodes.master_addr if nodes.use_agent_store else host
+            else:
+                self._res.store = dist.TCPStore(host, 0, None, True, wait_for_workers=False)
             port = self._res.store.port
             ctx = mp.get_context("spawn")
             for rank in range(self.size):
-                spec = WorkerSpec(config=config, rank=rank, size=self.size, store_host="127.0.0.1",
+                spec = WorkerSpec(config=config, rank=rank, size=self.tp_size, store_host=host,
                                   store_port=port, parent_pid=os.getpid())
                 parent_end, child_end = ctx.Pipe(duplex=True)
                 proc = ctx.Process(target=worker_fn or worker_main, args=(spec, child_end),
@@ -219,8 +228,8 @@ class TPExecutor:
             self._res.graceful = False
             self.shutdown()
             raise
-        logger.info("tensor parallel: %d ranks (pids %s), %d KV blocks", self.size, self._pids,
-                    self.num_kvcache_blocks)
+        logger.info("tensor parallel: %d ranks (here: pids %s), %d node(s), %d KV blocks", self.tp_size, self._pids,
+                    nodes.nnodes, self.num_kvcache_blocks)
 
     # --- public ------------------------------------------------------------------------------------
     @property
@@ -318,10 +327,20 @@ class TPExecutor:
         conns = {c: r for r, c in enumerate(res.conns)}
         sentinels = {p.sentinel: r for r, p in enumerate(res.procs)}
         objs = list(conns) + list(sentinels)
+        watch = res.watch
         while waiting:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if watch is not None:  # the other nodes: failure reports, heartbeats
+                report = watch.poll()
+                if report is not None:
+                    self._fail(node=report)
+                left = watch.due() if left is None else min(left, watch.due())
             ready = mp_wait(objs, timeout=left)
+            if not ready and (deadline is None or time.monotonic() < deadline):
+                continue
             if not ready:
+                if watch is not None and watch.missing_report() is not None:
+                    self._fail(node=watch.missing_report())
                 self._fail(f"timed out after {timeout:g}s waiting for rank(s) {waiting} to finish {what} "
                            f"(set NANOVLLM_TP_STEP_TIMEOUT / NANOVLLM_TP_INIT_TIMEOUT to wait longer)")
             for obj in ready:  # the pipes first: a worker's last words come before its death
@@ -368,9 +387,10 @@ class TPExecutor:
 
     def _exit_of(self, r: int) -> str:
         self._res.procs[r].join(1.0)  # its pipe closed or its sentinel fired: reap it to learn the exit status
-        return _describe_exit(self._res.procs[r].exitcode)
+        return describe_exit(self._res.procs[r].exitcode)
 
-    def _fail(self, reason: str | None = None, *, failed: Failed | None = None, dead: int | None = None):
+    def _fail(self, reason: str | None = None, *, failed: Failed | None = None, dead: int | None = None,
+              node=None):
         """Listen briefly for the other ranks' reports, kill every worker, raise.
 
         What the driver saw first (a rank's `failed` message, a `dead` rank, or a `reason` of its own) need not
@@ -378,7 +398,11 @@ class TPExecutor:
         by peer") can reach the driver before the dead rank's sentinel. So the headline is chosen once every
         rank has had its say (or FAILURE_GRACE_S is up): a rank that died without a word (killed, OOM, a
         crash), else the first rank that raised an error of its own, else the first report. A reason of the
-        driver's own (a timeout, a protocol error) stays the headline."""
+        driver's own (a timeout, a protocol error) stays the headline.
+
+        With several nodes the other nodes are heard too (`NodeWatch.blame`: their reports, or a node whose
+        heartbeat stopped): `node`, a NodeReport the watch raised, or a node that died or failed of its own is
+        the headline after a local rank that died, before a local rank's error."""
         res = self._res
         res.graceful = False
         reports: dict[int, Failed] = {failed.rank: failed} if failed else {}  # in the order they came
@@ -398,25 +422,37 @@ class TPExecutor:
                 if isinstance(msg, Failed):
                     reports[r] = msg
         deaths = {r: self._exit_of(r) for r in silent}
-        cause = None  # the Failed the headline reports
+        remote = res.watch.blame(node) if res.watch is not None else {}  # the other nodes' say
+        own = [m for m in remote.values() if not m.peer_error]  # a node that died or failed of its own
+        cause = remote_cause = None  # the Failed / NodeReport the headline reports
         if reason is not None:
             headline = reason
+        elif node is not None or (not deaths and (own or not reports)):
+            remote_cause = node or (own or list(remote.values()))[0]
+            headline = remote_cause.headline
         elif deaths:
             r = silent[0]
             headline = f"tensor-parallel worker rank {r} (pid {self._pids[r]}) died unexpectedly ({deaths.pop(r)})"
         else:
-            cause = next((m for m in reports.values() if not _blames_a_peer(m)), next(iter(reports.values())))
+            cause = next((m for m in reports.values() if not blames_a_peer(m)), next(iter(reports.values())))
             headline = (f"tensor-parallel worker rank {cause.rank} (pid {self._pids[cause.rank]}) raised "
                         f"{cause.exc_type}: {cause.message}")
         lines = [headline]
         lines += [f"  rank {r} also died ({how})" for r, how in deaths.items()]
         lines += [f"  rank {r} also raised {m.exc_type}: {m.message}"
                   for r, m in sorted(reports.items()) if m is not cause]
+        lines += [f"  node {k}: {m.headline}" for k, m in sorted(remote.items()) if m.headline != headline]
         if cause is not None:
             lines.append(f"--- traceback of rank {cause.rank} ---\n{cause.traceback.rstrip()}")
+        elif remote_cause is not None and remote_cause.traceback:
+            lines.append(f"--- traceback on node {remote_cause.node} ---\n{remote_cause.traceback.rstrip()}")
         message = "\n".join(lines)
         self._failure = headline
+        if res.watch is not None:
+            res.watch.abort(headline)
         self.shutdown()
+        if remote_cause is not None and remote_cause.config_error:
+            raise ValueError(message)
         if cause is not None and cause.during_init and cause.exc_type in ("ValueError", "TypeError"):
             # a configuration problem found while the ranks start (e.g. the KV cache is too small)
             raise (ValueError if cause.exc_type == "ValueError" else TypeError)(message)

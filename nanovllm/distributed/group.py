@@ -77,13 +77,14 @@ class TPGroup:
         return out.reshape(*x.shape[:-1], self.size * x.shape[-1])
 
 
-def check_tp_supported(tp_size: int, model_cfg, device: torch.device) -> None:
-    """Raise ValueError if this model can't be split over `tp_size` ranks on `device`.
+def check_tp_supported(tp_size: int, model_cfg, device: torch.device, nnodes: int = 1) -> None:
+    """Raise ValueError if this model can't be split over `tp_size` ranks on `device` (`nnodes` nodes of
+    tp_size / nnodes ranks each).
 
     Query heads, the dense MLP's intermediate size and each expert's (moe_intermediate_size, and Qwen2-MoE's
     shared expert's) are split evenly; key/value heads are split evenly, or, when there are fewer of them than
     ranks, replicated (so tp_size must be a multiple of them). The vocabulary is padded to a multiple of
-    tp_size, so any size works. Each rank needs its own GPU."""
+    tp_size, so any size works. Each rank needs its own GPU on its node."""
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
         raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp_size!r}")
     if tp_size == 1:
@@ -116,9 +117,10 @@ def check_tp_supported(tp_size: int, model_cfg, device: torch.device) -> None:
             raise ValueError(f"device={str(device)!r} pins every rank to one GPU; with tensor_parallel_size="
                              f"{tp_size} use device='cuda' (rank r runs on cuda:r; pick GPUs with "
                              f"CUDA_VISIBLE_DEVICES)")
-        n = torch.cuda.device_count()
-        if n < tp_size:
-            raise ValueError(f"tensor_parallel_size={tp_size} needs {tp_size} CUDA devices, "
+        n, per_node = torch.cuda.device_count(), tp_size // nnodes
+        if n < per_node:
+            where = f" on each of nnodes={nnodes} nodes" if nnodes > 1 else ""
+            raise ValueError(f"tensor_parallel_size={tp_size} needs {per_node} CUDA devices{where}, "
                              f"but only {n} are visible")
         if not dist.is_nccl_available():
             raise ValueError(f"tensor_parallel_size={tp_size} on CUDA needs NCCL, which this torch build lacks")

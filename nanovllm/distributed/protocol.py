@@ -1,4 +1,4 @@
-"""The typed messages between the TP driver and its worker processes.
+"""The typed messages between the TP driver and its worker processes, and how to read a worker's end.
 
 Driver -> worker: one `StepMsg`, `FlushMsg` or `ShutdownMsg` per `Connection.send_bytes` (the pipe's
 own length-prefixed framing), as a kind byte and the pickle (`encode`); the driver encodes a step
@@ -14,6 +14,8 @@ always knows which reports are on their way.
 from __future__ import annotations
 
 import pickle
+import re
+import signal
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,3 +87,25 @@ def decode_driver_message(data: bytes):
     if _KINDS.get(type(msg)) != data[:1]:
         raise TypeError(f"worker got an unexpected message of type {type(msg).__name__}")
     return msg
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+# a collective that lost a peer: gloo's "Connection reset/closed by peer", "Broken pipe", "Timed out waiting
+# ...", NCCL's "remote process exited or there was a network error" / an aborted communicator
+_PEER_ERROR = re.compile(r"by peer|connection (reset|closed|refused)|broken pipe|socket closed|timed out|"
+                         r"remote process|network error|communicator was aborted", re.IGNORECASE)
+
+
+def blames_a_peer(m: Failed) -> bool:
+    """Whether a rank's error looks like the fallout of another rank's failure, not a failure of its own."""
+    return m.exc_type in ("DistError", "DistBackendError", "DistNetworkError") or bool(_PEER_ERROR.search(m.message))

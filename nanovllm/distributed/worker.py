@@ -1,10 +1,12 @@
 """One tensor-parallel rank: a process that joins the group, builds its shard of the model and runs steps.
 
     worker_main(spec, conn):
-        join the process group (rendezvous on the driver's TCPStore, or env:// when launched by torchrun)
+        join the process group (rendezvous on the driver's TCPStore; with several nodes, the leader's)
         runner = ModelRunner(config, TPGroup(rank, size, group))     # agrees the KV block count (MIN)
         send Ready(num_kvcache_blocks)
         serve_steps(conn, rank, runner): the step loop (below)   |   ShutdownMsg / driver gone -> exit
+        (several nodes: rank 0 forwards each driver message to the other nodes' ranks, which serve_steps over
+        that broadcast instead of a pipe: distributed/remote.py)
 
 The step loop keeps one step "in flight": StepMsg N+1 -> runner.launch(N+1) (queued on the GPU
 behind step N), then wait for step N and send Done(N). So the device always has the next step queued
@@ -54,7 +56,7 @@ class WorkerSpec:
     config: object            # EngineConfig
     rank: int
     size: int
-    store_host: str | None    # None: env:// rendezvous (MASTER_ADDR / MASTER_PORT)
+    store_host: str           # the rendezvous TCPStore: the driver's, or with several nodes the leader's
     store_port: int
     parent_pid: int
     local_rank: int | None = None  # GPU index on this host; None: rank
@@ -71,7 +73,8 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def init_process_group(spec: WorkerSpec):
-    """Join this engine's process group (the default group of this worker process) and return it."""
+    """Join this engine's process group (the default group of this worker process); returns it and, with several
+    nodes, the step broadcast from rank 0 to the ranks on the other nodes (distributed/remote.py), else None."""
     import torch
     import torch.distributed as dist
 
@@ -84,17 +87,22 @@ def init_process_group(spec: WorkerSpec):
         kwargs["device_id"] = torch.device("cuda", local)  # eager NCCL communicator init, bound to this GPU
     else:
         backend = "gloo"
-    if spec.store_host is None:
-        dist.init_process_group(backend, init_method="env://", rank=spec.rank, world_size=spec.size,
-                                timeout=_PG_TIMEOUT, **kwargs)
-    else:
-        store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=_PG_TIMEOUT)
-        dist.init_process_group(backend, store=store, rank=spec.rank, world_size=spec.size,
-                                timeout=_PG_TIMEOUT, **kwargs)
-    return dist.group.WORLD
+    store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=_PG_TIMEOUT)
+    nodes = spec.config.nodes
+    if nodes.multinode:  # the leader's store may be torchrun's, kept across restarts: this run's keys only
+        store = dist.PrefixStore(nodes.store_prefix + "/pg", store)
+    dist.init_process_group(backend, store=store, rank=spec.rank, world_size=spec.size, timeout=_PG_TIMEOUT,
+                            **kwargs)
+    if not nodes.multinode:
+        return dist.group.WORLD, None
+    from nanovllm.distributed.remote import CONTROL_GROUP_TIMEOUT, StepBroadcast
+    # every rank creates it (new_group is collective over the default group), only rank 0 and the remote ranks use it
+    control = dist.new_group([0, *nodes.remote_ranks], backend="gloo", timeout=CONTROL_GROUP_TIMEOUT)
+    return dist.group.WORLD, StepBroadcast(control)
 
 
 def build_runner(spec: WorkerSpec):
+    """The rank's ModelRunner, and its step broadcast (init_process_group)."""
     import torch
 
     from nanovllm.distributed.group import TPGroup
@@ -109,8 +117,8 @@ def build_runner(spec: WorkerSpec):
         # rank is larger than the number of GPUs on this host (multi-node)
         local = spec.rank if spec.local_rank is None else spec.local_rank
         config = dataclasses.replace(config, device=torch.device("cuda", local))
-    group = init_process_group(spec)
-    return ModelRunner(config, TPGroup(spec.rank, spec.size, group))
+    group, steps = init_process_group(spec)
+    return ModelRunner(config, TPGroup(spec.rank, spec.size, group)), steps
 
 
 def _destroy_process_group() -> None:
@@ -194,12 +202,19 @@ def worker_main(spec: WorkerSpec, conn) -> None:
     in_init = True
     code = 0
     try:
-        runner = build_runner(spec)
+        runner, steps = build_runner(spec)
         timings = {k: float(getattr(runner, k)) for k in _TIMINGS if isinstance(getattr(runner, k, None), (int, float))}
         conn.send(Ready(rank, os.getpid(), runner.num_kvcache_blocks, timings))
         in_init = False
         cuda = spec.config.device.type == "cuda"
-        if serve_steps(conn, rank, runner, report_first=not cuda):
+        source = conn
+        if steps is not None:  # several nodes: rank 0 forwards the driver's messages, the other nodes' ranks follow
+            from nanovllm.distributed.remote import FollowerConn, ForwardingConn
+            if spec.rank == 0:
+                source = ForwardingConn(conn, steps)
+            elif spec.config.nodes.node_of(spec.rank) != 0:
+                source = FollowerConn(steps)
+        if serve_steps(source, rank, runner, report_first=not cuda):
             runner.shutdown()  # waits for the device: nothing of ours still running when the group is destroyed
     except BaseException as e:  # noqa: BLE001 - reported to the driver, then exit non-zero
         code = 1

@@ -48,7 +48,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device if self.device.index is not None else self.tp.rank)
             self.device = torch.device("cuda", torch.cuda.current_device())
-            if self.tp.size > 1:
+            if self.tp.size > 1 and not config.nodes.multinode:  # symmetric memory: the GPUs of one host
                 self.tp = replace(self.tp, reducer=self._make_reducer())
         self.backend = get_attention_backend(config.attention_backend)
         self.ops = select_ops(config.attention_backend)

@@ -1,5 +1,8 @@
 """`nanovllm serve MODEL [--host] [--port] [--api-key] [--served-model-name] [server limits] [engine args]`.
 
+With several nodes (`--nnodes N --node-rank R --master-addr A`, docs/scale-out.md) node 0 serves as usual and the
+others run `nanovllm serve MODEL --headless ...`: only their tensor-parallel ranks (distributed/headless.py).
+
 Two processes: this one (HTTP, tokenization, detokenization) and the engine core it starts (the engine and its
 tensor-parallel workers), see docs/server.md; with --data-parallel-size D, D engine cores (docs/scale-out.md).
 Importing this module needs neither FastAPI nor uvicorn (the server is an optional extra); they are imported
@@ -55,6 +58,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
     p.add_argument("--disable-access-log", action="store_true", help="do not log every HTTP request")
+    p.add_argument("--headless", action="store_true",
+                   help="a node other than the leader (--node-rank >= 1): run only its tensor-parallel ranks, no API "
+                        "server, until the leader shuts down")
     add_engine_args(p)
     p.set_defaults(func=serve_command)
     return p
@@ -76,10 +82,17 @@ def check_serve_args(ns: argparse.Namespace) -> None:
     if not ns.host:
         raise ValueError("--host must not be empty")
     config = server_config(ns)   # the server's own limits
-    check_engine_args(ns.model, {"scheduling_policy": "fcfs", **engine_kwargs(ns)})
+    kwargs = engine_kwargs(ns)
+    node_rank, nnodes = kwargs.get("node_rank") or 0, kwargs.get("nnodes") or 1
+    if ns.headless and node_rank == 0:
+        raise ValueError(f"--headless runs a node other than the leader: give --node-rank 1..nnodes-1 "
+                         f"(nnodes={nnodes}, node_rank=0); node 0 runs nanovllm serve without --headless")
+    if node_rank > 0 and not ns.headless:
+        raise ValueError(f"node_rank={node_rank}: only node 0 serves the API; run the other nodes with --headless")
+    check_engine_args(ns.model, {"scheduling_policy": "fcfs", **kwargs})
     if config.data_parallel_size > 1:
         from nanovllm.config import EngineArgs
-        data_parallel_envs(EngineArgs.from_kwargs(ns.model or ".", **engine_kwargs(ns)), config.data_parallel_size)
+        data_parallel_envs(EngineArgs.from_kwargs(ns.model or ".", **kwargs), config.data_parallel_size)
 
 
 def data_parallel_envs(args, data_parallel_size: int) -> list[dict[str, str]]:
@@ -143,7 +156,24 @@ def make_uvicorn_server(app, **config):
     return server
 
 
+def headless_command(ns: argparse.Namespace) -> int:
+    """`nanovllm serve --headless`: this node's tensor-parallel ranks until the leader shuts down (0), fails (1)."""
+    from nanovllm.cli import default_model
+    from nanovllm.distributed.headless import NodeFailed, run_headless
+
+    check_serve_args(ns)
+    ns.model = default_model(ns.model)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [headless] %(name)s: %(message)s")
+    try:
+        return run_headless(server_engine_args(ns))
+    except (NodeFailed, RuntimeError) as e:
+        print(f"nanovllm serve --headless: {e}", file=sys.stderr)
+        return 1
+
+
 def serve_command(ns: argparse.Namespace) -> int:
+    if ns.headless:
+        return headless_command(ns)
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
