@@ -411,5 +411,5 @@ class EngineConfig:
                    max_num_seqs=max_num_seqs, block_size=args.kvcache_block_size, attention_backend=backend,
                    async_scheduling=async_sched, scheduling_policy=policy, quantization=quant,
                    kv_cache_dtype=kv_dtype, speculative=SpeculativeConfig.from_dict(args.speculative_config),
-                   kv_events=kv_events if kv_events is not None and kv_events.publishes else None)
+                   kv_events=kv_events if kv_events is not None and kv_events.publishes else None,
                    nodes=NodeConfig.from_args(args, os.environ))
