@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nanovllm.kernels.moe import fused_moe, fused_moe_compile, moe_combine, moe_down, moe_gate_up
-from nanovllm.kernels.moe_configs import DEFAULT_BUCKETS, GemmTile, MoEConfig, moe_config
+from nanovllm.kernels.moe_configs import DEFAULT_BUCKETS, MOE_CONFIGS, GemmTile, MoEConfig, moe_config
 from nanovllm.kernels.moe_routing import moe_align, moe_route
 from nanovllm.layers.moe_ref import (
     MoELayout,
@@ -160,8 +160,10 @@ def test_fused_moe_rejects_bad_inputs(device):
 
 
 def test_config_table_lookup(device):
-    assert moe_config(1, 128, 2048, 768) is DEFAULT_BUCKETS[0][1]
-    assert moe_config(10 ** 6, 128, 2048, 768) is DEFAULT_BUCKETS[-1][1]
+    assert moe_config(1, 128, 2048, 768) is DEFAULT_BUCKETS[0][1]                # the measured table's first bucket
+    assert moe_config(10 ** 6, 128, 2048, 768) is MOE_CONFIGS[128, 2048, 768][-1][1]
+    assert moe_config(300, 128, 2048, 768).block_m == 64
+    assert moe_config(10 ** 6, 8, 64, 32) is DEFAULT_BUCKETS[-1][1]               # a shape not in the table
     assert [moe_config(n, 8, 64, 32).block_m for n in (16, 17, 128, 129, 512, 513)] == [16, 16, 16, 32, 32, 64]
     assert GemmTile(128, 256).fit(32, 48) == GemmTile(32, 64)
     assert GemmTile(128, 256).fit(1024, 2048, itemsize=4) == GemmTile(128, 128)  # float32: bf16's shared memory
