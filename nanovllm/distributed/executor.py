@@ -56,10 +56,10 @@ from nanovllm.distributed.protocol import (
     ShutdownMsg,
     StepMsg,
     blames_a_peer,
-    describe_exit,
     encode,
 )
 from nanovllm.distributed.worker import WorkerSpec, worker_main
+from nanovllm.utils.processes import describe_exit
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from datetime import timedelta
 from multiprocessing.connection import wait as mp_wait
 
 from nanovllm.distributed.executor import SHUTDOWN_JOIN_S, _env_timeout
-from nanovllm.distributed.protocol import Failed, Ready, blames_a_peer, describe_exit
+from nanovllm.distributed.protocol import Failed, Ready, blames_a_peer
 from nanovllm.distributed.remote import (
     HEARTBEAT_S,
     NodeReport,
@@ -37,6 +37,7 @@ from nanovllm.distributed.remote import (
     open_store,
 )
 from nanovllm.distributed.worker import _PG_TIMEOUT, WorkerSpec, worker_main
+from nanovllm.utils.processes import describe_exit
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import pickle
 import re
-import signal
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,17 +86,6 @@ def decode_driver_message(data: bytes):
     if _KINDS.get(type(msg)) != data[:1]:
         raise TypeError(f"worker got an unexpected message of type {type(msg).__name__}")
     return msg
-
-
-def describe_exit(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
 
 
 # a collective that lost a peer: gloo's "Connection reset/closed by peer", "Broken pipe", "Timed out waiting

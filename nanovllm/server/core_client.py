@@ -51,6 +51,7 @@ from nanovllm.engine.core_protocol import (
 )
 from nanovllm.server.metrics import ServerMetrics
 from nanovllm.server.request_group import EngineDeadError, RequestFailedError, RequestGroup, RequestState
+from nanovllm.utils.processes import describe_exit
 
 __all__ = ["EngineCoreClient", "EngineDeadError", "RequestFailedError", "RequestGroup", "RequestState"]
 
@@ -415,12 +416,4 @@ class EngineCoreClient:
     def _exit_status(self) -> str:
         proc = self._proc
         proc.join(1.0)
-        code = proc.exitcode
-        if code is None:
-            return "still running"
-        if code < 0:
-            try:
-                return f"killed by signal {signal.Signals(-code).name}"
-            except ValueError:
-                return f"killed by signal {-code}"
-        return f"exit code {code}"
+        return describe_exit(proc.exitcode)
