@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -71,6 +72,17 @@ def test_cli_checks_arguments_before_loading(args, match):
     assert "tiny model" not in r.stderr                           # nothing was loaded
 
 
+def test_serve_on_a_port_in_use_fails_before_loading():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        r = _cli("serve", "--host", "127.0.0.1", "--port", str(taken.getsockname()[1]))
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot listen on 127.0.0.1:" in lines[0] and "in use" in lines[0], r.stderr
+    assert "tiny model" not in r.stderr                           # nothing was loaded
+
+
 def test_cli_help_shows_defaults():
     for cmd in ("generate", "serve"):
         r = _cli(cmd, "--help")
@@ -97,10 +109,11 @@ def test_serve_without_a_model_uses_the_tiny_one(monkeypatch, capsys):
 
     def fake_server(app, **kw):   # the app is built over a started engine core; it is not served
         seen.update(app=app, **kw)
-        return types.SimpleNamespace(run=lambda: None)
+        return types.SimpleNamespace(run=lambda sockets: seen.update(bound=[s.getsockname()[1] for s in sockets]))
     monkeypatch.setattr(serve_cli, "make_uvicorn_server", fake_server)
     assert main(["serve", "--port", "8123", "--device", "cpu", "--max-model-len", "256", "--kvcache-block-size", "16",
                  "--num-kvcache-blocks", "32"]) == 0
     err = capsys.readouterr().err
     assert seen["port"] == 8123 and "RANDOM weights" in err and "engine core ready" in err
+    assert seen["bound"] == [8123]   # the socket it serves on, bound before the engine core started
     assert seen["app"].state.server.client.info.max_model_len == 256

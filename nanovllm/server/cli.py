@@ -15,6 +15,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -156,6 +157,21 @@ def make_uvicorn_server(app, **config):
     return server
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the engine cores start: the port is held from then on (their worker
+    processes open ports of their own: a port picked free and bound only after them could be taken meanwhile), and
+    a port in use is an error at once, not after the model has loaded. ValueError naming the address."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port} (--host / --port): {e.strerror or e}") from None
+    return sock
+
+
 def headless_command(ns: argparse.Namespace) -> int:
     """`nanovllm serve --headless`: this node's tensor-parallel ranks until the leader shuts down (0), fails (1)."""
     from nanovllm.cli import default_model
@@ -180,13 +196,22 @@ def serve_command(ns: argparse.Namespace) -> int:
     except ImportError as e:
         print(f"nanovllm serve: {INSTALL_HINT} (missing: {e.name})", file=sys.stderr)
         return 1
+    check_serve_args(ns)
+    sock = listen_socket(ns.host, ns.port)
+    try:
+        return _serve(ns, sock)
+    finally:
+        sock.close()
+
+
+def _serve(ns: argparse.Namespace, sock: socket.socket) -> int:
+    """The server on `sock` until it stops: engine cores, the app, uvicorn. Returns the exit status."""
     from nanovllm.cli import default_model
     from nanovllm.server.api import build_app
     from nanovllm.server.core_client import EngineCoreClient
     from nanovllm.server.dp_client import DataParallelClient
     from nanovllm.utils.hub import resolve_model_dir
 
-    check_serve_args(ns)
     ns.model = default_model(ns.model)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # the pipe threads (core_client.py) wait for the GIL while the event loop works: at most 1 ms, not Python's
@@ -220,7 +245,7 @@ def serve_command(ns: argparse.Namespace) -> int:
         server = make_uvicorn_server(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                                      access_log=not ns.disable_access_log, timeout_keep_alive=30,
                                      timeout_graceful_shutdown=5)
-        server.run()
+        server.run(sockets=[sock])
         return app.state.lifecycle.exit_code
     except KeyboardInterrupt:
         return 0
