@@ -45,19 +45,17 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
     """logits[rows[i], t] = -inf where bit t of row i of the (R, W) int32 bitmask is 0, and for every t >= 32 W
     (ids the mask does not cover: the tail of a vocabulary padded past the tokenizer's ids), in place.
 
-    The int32 words are read as little-endian bytes: token 8 * byte + bit. In place on all (S, V) logits (the other
-    rows' words all ones), with no gather and scatter of the masked rows: one pass over the logits."""
-    S, V = logits.shape
-    W = bitmask.shape[1]
-    n = min(V, W * 32)
-    full = torch.full((S, W), -1, dtype=torch.int32, device=logits.device)
-    full[rows] = bitmask
-    b = full.view(torch.uint8)                                                        # (S, W * 4)
+    The int32 words are read as little-endian bytes: token 8 * byte + bit. The work is the constrained rows' alone
+    (a gather, the mask, a scatter): a step with a few structured requests among many rows pays for those few."""
+    V = logits.shape[1]
+    n = min(V, bitmask.shape[1] * 32)
+    b = bitmask.contiguous().view(torch.uint8)                                       # (R, W * 4)
     shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
-    banned = ((b[:, :, None] >> shifts) & 1).view(S, -1)[:, :n] == 0                  # (S, n)
-    logits[:, :n].masked_fill_(banned, float("-inf"))
-    if n < V:
-        logits[rows, n:] = float("-inf")
+    banned = ((b[:, :, None] >> shifts) & 1).view(b.shape[0], -1)[:, :n] == 0          # (R, n)
+    sub = logits[rows]                                                               # (R, V), a copy
+    sub[:, :n].masked_fill_(banned, float("-inf"))
+    sub[:, n:] = float("-inf")
+    logits[rows] = sub
 
 
 @dataclass
