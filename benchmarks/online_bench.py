@@ -321,9 +321,10 @@ def cpu_seconds(pid: int) -> float | None:
         return None
 
 
-def engine_core_pids(api_pid: int) -> list[int]:
-    """The engine-core processes the API process started (its multiprocessing children, not the resource tracker;
-    several with --data-parallel-size)."""
+def spawned_children(pid: int) -> list[int]:
+    """The processes `pid` started through multiprocessing: the API process's engine cores (several with
+    --data-parallel-size), an engine core's tensor-parallel workers. (Not its resource tracker, which is started
+    without spawn_main.)"""
     pids = []
     try:
         for d in os.listdir("/proc"):
@@ -336,7 +337,7 @@ def engine_core_pids(api_pid: int) -> list[int]:
                     cmd = f.read()
             except (OSError, IndexError, ValueError):
                 continue
-            if ppid == api_pid and b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+            if ppid == pid and b"spawn_main" in cmd:
                 pids.append(int(d))
     except OSError:
         pass
@@ -505,7 +506,7 @@ def main(argv=None) -> int:
         for rate in rates:
             print(f"[bench] rate {rate:g} req/s: {len(prompts)} requests ...", file=sys.stderr)
             before = scrape_metrics(base_url)
-            pids = {} if proc is None else {"api": [proc.pid], "engine_core": engine_core_pids(proc.pid)}
+            pids = {} if proc is None else {"api": [proc.pid], "engine_core": spawned_children(proc.pid)}
             cpu0 = {k: cpu_seconds_of(p) for k, p in pids.items()}
             res = asyncio.run(run_rate(base_url, model, ns.api_key, prompts, max_tokens, rate, ns.arrival_seed,
                                        ns.temperature, ns.max_concurrency, ns.request_timeout, ns.client_procs))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -15,6 +16,11 @@ import pytest
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
+
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                             "benchmarks"))  # (after the installed packages: no shadowing)
+
+from online_bench import spawned_children  # noqa: E402
 
 from nanovllm import SamplingParams  # noqa: E402
 from tests.server.faulty_core import POISON, make_faulty_core  # noqa: E402
@@ -33,23 +39,6 @@ def running(url: str) -> int:
     text = httpx.get(url + "/metrics").text
     return int(float(next(line for line in text.splitlines()
                           if line.startswith("nanovllm:num_requests_running")).split()[-1]))
-
-
-def children(pid: int) -> list[int]:
-    """The processes `pid` started through multiprocessing (not its resource tracker)."""
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                with open(f"/proc/{d}/cmdline", "rb") as f:
-                    cmd = f.read()
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == pid and b"spawn_main" in cmd:
-                out.append(int(d))
-    return out
 
 
 def gone(pid: int, timeout: float = 10.0) -> bool:
@@ -183,8 +172,8 @@ def test_stalled_tensor_parallel_worker_trips_the_watchdog(tiny_path):
     server = ServerProcess(tiny_path, "--tensor-parallel-size", "2", "--engine-step-timeout", "2")
     stopped = None
     try:
-        (core,) = children(server.proc.pid)
-        workers = children(core)
+        (core,) = spawned_children(server.proc.pid)
+        workers = spawned_children(core)
         assert len(workers) == 2
         stream = Stream(server.url, max_tokens=450)
         stopped = workers[1]
