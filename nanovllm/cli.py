@@ -27,7 +27,8 @@ _HELP = {
     "async_scheduling": "schedule step N+1 while step N runs (default: on with CUDA)",
     "scheduling_policy": "fcfs: prefill as early as the token budget allows; balanced: spread the prefill of a "
                          "batch known up front over the run (see engine/scheduler.py); auto (default): balanced "
-                         "from 12 GiB of weights per GPU, else fcfs (the server defaults to fcfs)",
+                         "from 6 GiB of weights on one GPU (12 GiB per GPU under TP), else fcfs (the server "
+                         "defaults to fcfs)",
     "tokenizer": "tokenizer directory or Hugging Face id (default: the model's)",
     "revision": "revision (branch, tag or commit) of a Hugging Face model id",
     "tokenizer_revision": "revision of a Hugging Face tokenizer id",

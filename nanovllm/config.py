@@ -294,11 +294,12 @@ def resolve_device(args: EngineArgs) -> torch.device:
                          "'torch'")
     return device
 
-# scheduling_policy="auto" picks "balanced" from this many bytes of weights per GPU. Measured on an H200
-# (benchmarks/RESULTS.md run 17), balanced against fcfs: Qwen3-8B at TP=1 (16.4 GB per GPU) +3-5%, at TP=2
-# (8.2 GB per GPU) -2%, Qwen3-0.6B (1.2 GB) -16%. (Run 18's last-token hold raised TP=1 further; TP=2 and
-# 0.6B were not measured again.)
-BALANCED_MIN_WEIGHT_BYTES = 12 << 30
+# scheduling_policy="auto" picks "balanced" from this many bytes of weights per GPU: on one GPU, and under
+# tensor parallelism (where a step's all-reduces grow with its tokens). Measured on an H200, balanced against
+# fcfs: Qwen3-8B at TP=1 (16.4 GB) +3-5% (run 17), Qwen3-8B with FP8 weights (8.2 GB) +10% (2026-12-01, one
+# call), Qwen3-0.6B (1.2 GB) -16%; Qwen3-8B at TP=2 (8.2 GB per GPU) -2% (run 17, before the last-token hold).
+BALANCED_MIN_WEIGHT_BYTES = 6 << 30
+BALANCED_MIN_WEIGHT_BYTES_TP = 12 << 30
 
 
 def weight_bytes_per_gpu(model: ModelConfig, dtype: torch.dtype, tensor_parallel_size: int,
@@ -316,7 +317,8 @@ def auto_scheduling_policy(model: ModelConfig, dtype: torch.dtype, tensor_parall
                            device: torch.device, quantization: QuantizationConfig | None = None) -> str:
     """What scheduling_policy="auto" means for this model and device (see BALANCED_MIN_WEIGHT_BYTES)."""
     per_gpu = weight_bytes_per_gpu(model, dtype, tensor_parallel_size, quantization)
-    return "balanced" if device.type == "cuda" and per_gpu >= BALANCED_MIN_WEIGHT_BYTES else "fcfs"
+    floor = BALANCED_MIN_WEIGHT_BYTES if tensor_parallel_size == 1 else BALANCED_MIN_WEIGHT_BYTES_TP
+    return "balanced" if device.type == "cuda" and per_gpu >= floor else "fcfs"
 
 
 @dataclass(frozen=True)

@@ -149,6 +149,9 @@ def test_auto_policy():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert auto_scheduling_policy(big, torch.bfloat16, 1, cuda) == "balanced"   # 16.4 GB per GPU
     assert auto_scheduling_policy(big, torch.bfloat16, 2, cuda) == "fcfs"       # 8.2 GB per GPU
+    from nanovllm.layers.quantization import resolve_quantization
+    fp8 = resolve_quantization("fp8", None)
+    assert auto_scheduling_policy(big, torch.bfloat16, 1, cuda, fp8) == "balanced"  # 8.2 GB on one GPU
     assert auto_scheduling_policy(small, torch.bfloat16, 1, cuda) == "fcfs"
     assert auto_scheduling_policy(big, torch.bfloat16, 1, cpu) == "fcfs"
 
