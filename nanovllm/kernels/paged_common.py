@@ -14,9 +14,11 @@ Common design points
 * Keys past a sequence's length are never used: their loads are masked (stale or uninitialised cache memory,
   even NaN, cannot leak into the output). Sequences with ``seq_len == 0`` produce zeros.
 * No host syncs: every launch size comes from tensor shapes (and the host int ``max_seqlen_q``).
-* An e4m3 cache (``FP8``) is read with its per-(token, KV head) float32 scales: a key tile is converted to the
-  query's dtype (exact) and its scales multiply the scores after the dot; a value tile is dequantized in
-  registers (value * scale, float32, then the dot dtype), as ``torch_ref`` dequantizes the cache.
+* An e4m3 cache (``FP8``) is read with its per-(token, KV head) float32 scales: a key tile is converted
+  exactly and its scales multiply the scores after the dot. The prefill kernel dequantizes a value tile in
+  registers (value * scale, float32, then the dot dtype), as ``torch_ref`` dequantizes the cache; the decode
+  kernel, bound by those conversions, computes in float16 and folds each value's scale into its probability
+  instead (measured 1.11x on Qwen3-8B FP8 end to end, 2026-12-01).
 """
 from __future__ import annotations
 
