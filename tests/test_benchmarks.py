@@ -114,6 +114,18 @@ def test_kernel_bench_attention_layouts():
         kernel_bench.main(["nope"])
 
 
+def test_fp8_gemm_bench_shapes_and_candidates():
+    """fp8_gemm_bench's projections of Qwen3-8B and its candidate tilings (each pipeline within shared memory,
+    no more rows per tile than the step has, at least 16)."""
+    import fp8_gemm_bench
+    shapes = fp8_gemm_bench.projections(os.path.join(ROOT, "benchmarks", "models", "qwen3-8b", "config.json"))
+    assert shapes == {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+    for rows in (1, 16, 64, 256):
+        cands = fp8_gemm_bench.candidates(rows)
+        assert cands and all(c.block_m <= max(16, rows) for c in cands)
+        assert all((c.block_m + c.block_n) * c.block_k * c.num_stages <= 200 * 1024 for c in cands)
+
+
 def test_prefill_heavy_workload_and_mode(tiny_ckpt, capsys):
     """The prefill-heavy workload: seeded, 64 prompts of 6,000-8,000 tokens with 64-256 outputs, and
     bench_offline's mode for it (its own max_model_len, prompt/output/total tok/s; the reference workload's length

@@ -12,11 +12,37 @@ sizes depend on shapes only (CUDA-graph safe, one compiled variant per row-count
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels._common import check_same_device, sm_count
+from nanovllm.kernels._common import check_same_device, is_pow2, sm_count
+
+
+@dataclass(frozen=True)
+class Fp8GemmConfig:
+    """A tiling of the FP8 GEMM: rows x outputs x reduction per program (powers of two >= 16), warps, stages.
+    (Block-wise scaling fixes the reduction tile to the weight's block: ``block_k`` must equal it.)"""
+    block_m: int
+    block_n: int
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 16 or not is_pow2(v):
+                raise ValueError(f"Fp8GemmConfig.{name} must be a power of two >= 16, got {v!r}")
+        for name in ("num_warps", "num_stages"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Fp8GemmConfig.{name} must be a positive int, got {v!r}")
+
+    def __str__(self) -> str:
+        return f"{self.block_m}x{self.block_n}x{self.block_k}w{self.num_warps}s{self.num_stages}"
 
 
 # M changes from step to step: specializing on it (1, multiples of 16) would compile variants mid-run
@@ -69,19 +95,19 @@ def _fp8_gemm_kernel(
     tl.store(c, acc.to(C.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _config(M: int, N: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) by row-count bucket: skinny tiles for decode rows (the weight
-    read is the cost: enough programs to cover the SMs), square ones for prefill."""
+def default_config(M: int, N: int, block_k: int, device: torch.device) -> Fp8GemmConfig:
+    """The tiling by row-count bucket: skinny tiles for decode rows (the weight read is the cost: enough programs
+    to cover the SMs), square ones for prefill."""
     if M <= 64:
         block_m = 16 if M <= 16 else (32 if M <= 32 else 64)
         block_n = 64 if triton.cdiv(N, 64) * triton.cdiv(M, block_m) >= sm_count(device) else 32
-        return block_m, block_n, 4, 4
-    return 128, 128, 8, 3
+        return Fp8GemmConfig(block_m, block_n, block_k, 4, 4)
+    return Fp8GemmConfig(128, 128, block_k, 8, 3)
 
 
 def w8a8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, out_dtype: torch.dtype, *,
              block: tuple[int, int] | None = None, bias: torch.Tensor | None = None,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+             out: torch.Tensor | None = None, config: Fp8GemmConfig | None = None) -> torch.Tensor:
     """``(xq * xs) @ (wq * ws).T (+ bias)`` -> (M, N) in out_dtype (or into ``out``).
 
     Args:
@@ -89,6 +115,7 @@ def w8a8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Te
         block: None for row-wise scales: xs (M, 1), ws (N,); or the weight's (bn, bk) tile (powers of two >= 16)
             for block-wise scales: xs (M, ceil(K / bk)) and ws (ceil(N / bn), ceil(K / bk)).
         bias: optional (N,). out: optional (M, N) output, contiguous last dim.
+        config: the tiling (default: ``default_config`` of the shape); block-wise, its block_k must be bk.
     """
     fn = "w8a8_gemm"
     for name, t in (("xq", xq), ("wq", wq)):
@@ -120,12 +147,17 @@ def w8a8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Te
     check_same_device(xq=xq, xs=xs, wq=wq, ws=ws, out=out)
     if M == 0 or N == 0:
         return out
-    block_m, block_n, warps, stages = _config(M, N, xq.device)
+    if config is None:
+        config = default_config(M, N, block_k, xq.device)
+    elif block is not None and config.block_k != block_k:
+        raise ValueError(f"{fn}: block-wise scaling needs config.block_k == {block_k}, got {config}")
+    block_m, block_n, block_k = config.block_m, config.block_n, config.block_k
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
     _fp8_gemm_kernel[grid](
         xq, wq, xs, ws, out, bias if bias is not None else ws, M, N, K,
         xq.stride(0), wq.stride(0), out.stride(0), xs.stride(0), ws.stride(0) if block is not None else 1,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SCALE_N=scale_n, GROUP_M=8,
-        BLOCKWISE=block is not None, HAS_BIAS=bias is not None, num_warps=warps, num_stages=stages,
+        BLOCKWISE=block is not None, HAS_BIAS=bias is not None, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out

@@ -9,7 +9,7 @@ import torch
 
 from nanovllm.attention.torch_ref import paged_attention_ref, quantize_kv_ref, store_kvcache_ref
 from nanovllm.kernels.decode_attention import paged_decode_attention
-from nanovllm.kernels.fp8_gemm import w8a8_gemm
+from nanovllm.kernels.fp8_gemm import Fp8GemmConfig, w8a8_gemm
 from nanovllm.kernels.fp8_quant import per_token_group_quant_fp8, per_token_quant_fp8
 from nanovllm.kernels.fused_qkv import qkv_norm_rope_store
 from nanovllm.kernels.kvcache import store_kvcache
@@ -103,6 +103,24 @@ def test_w8a8_gemm_blockwise(device, dtype, M, N, K, block):
     # what FP8 costs against the unquantized product: a few percent of its magnitude
     exact = x.float() @ w.to(device).t()
     assert (out.float() - exact).abs().max() < 0.08 * exact.abs().max()
+
+
+@pytest.mark.parametrize("config", [Fp8GemmConfig(16, 32, 256, 4, 5), Fp8GemmConfig(64, 64, 128, 4, 3)])
+def test_w8a8_gemm_given_tiling(device, config):
+    """A tiling given explicitly (fp8_gemm_bench's candidates): the same product, K not a multiple of its k-tile,
+    N not of its n-tile."""
+    g = torch.Generator().manual_seed(7)
+    xq, xs = per_token_quant_fp8(torch.randn(40, 320, generator=g).to(device))
+    wq, ws = fp8_ref.quantize_rows((torch.randn(200, 320, generator=g) * 0.05).to(device))
+    out = w8a8_gemm(xq, xs, wq, ws.view(-1), torch.float32, config=config)
+    torch.testing.assert_close(out, fp8_ref.fp8_linear_rowwise_ref(xq, xs, wq, ws.view(-1), torch.float32),
+                               **GEMM_TOL[torch.float32])
+    xg, xgs = per_token_group_quant_fp8(torch.randn(8, 256, generator=g).to(device), 128)
+    wb, wbs = fp8_ref.quantize_blocks(torch.randn(64, 256, generator=g).to(device), (128, 128))
+    with pytest.raises(ValueError, match="block_k == 128"):
+        w8a8_gemm(xg, xgs, wb, wbs, torch.float32, block=(128, 128), config=Fp8GemmConfig(16, 32, 256))
+    with pytest.raises(ValueError, match="block_n must be a power of two"):
+        Fp8GemmConfig(16, 48)
 
 
 def test_w8a8_gemm_errors(device):
