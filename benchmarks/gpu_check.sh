@@ -3,7 +3,8 @@
 #
 #   env        nvidia-smi (clocks, power limit, temperature) and the torch / triton / transformers versions
 #   gpu_tests  python3 -m pytest -m gpu tests -q: tests/gpu (kernels at full size, bf16 parity, CUDA graphs and the
-#              balanced policy against eager fcfs, TP=2 against TP=1 when there are two GPUs)
+#              balanced policy against eager fcfs, TP=2 against TP=1 when there are two GPUs; the server test
+#              needs fastapi, uvicorn and openai, the JSON-schema test xgrammar: carry their wheels as for online06)
 #   bench06    the reference workload (benchmarks/bench_offline.py) on Qwen3-0.6B, dummy weights, one GPU
 #   bench8     ... on Qwen3-8B, one GPU
 #   bench8tp2  ... on Qwen3-8B, two GPUs (skipped, with a message, on fewer)
