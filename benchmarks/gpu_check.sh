@@ -11,7 +11,7 @@
 #   online06   the server bench (benchmarks/online_bench.py) on Qwen3-0.6B at RATES (default 16,64,inf) requests/s.
 #              Needs fastapi and uvicorn: carry their wheels (.whl) and start the device command with the wheel
 #              install from the device README (pip install --target /tmp/site ... && export PYTHONPATH=/tmp/site)
-#   moe30b     ... on Qwen3-30B-A3B (MoE), one GPU
+#   moe30b     ... on Qwen3-30B-A3B (MoE), one GPU; moe30b_fp8: the same with --quantization fp8 (FP8 experts)
 #   fp8        ... on Qwen3-8B with FP8 weights, then FP8 weights + FP8 KV cache
 #   spec       speculative decoding: trains the copy model (benchmarks/train_tiny.py, once per machine), then its
 #              copy workload with and without SPEC_CONFIG (default n-gram, SPEC_K=12 drafts) at SPEC_BATCHES
@@ -21,7 +21,7 @@
 #              (benchmarks/bench_sampling_features.py; the JSON mode needs xgrammar: carry its wheels as above)
 #   attention  the prefill kernel against torch SDPA (benchmarks/kernel_bench.py attention)
 #   moe_sweep  the fused-MoE tile sweep for Qwen3-30B-A3B's expert shape at MOE_TOKENS (benchmarks/kernel_bench.py
-#              moe): prints the MOE_CONFIGS entry to paste into nanovllm/kernels/moe_configs.py
+#              moe; MOE_FP8=1: FP8 experts): prints the MOE_CONFIGS entry to paste into nanovllm/kernels/moe_configs.py
 #   profile06, profile8   where a step's time goes (benchmarks/profile_step.py): step timings and kernel tables
 #   compare    bench_offline on MODEL (default benchmarks/models/qwen3-8b; more flags in BENCH_ARGS) twice in this
 #              call: at BASELINE_DIR (an older copy of the repo), then at this tree; prints current / baseline.
@@ -99,6 +99,7 @@ for s in $steps; do
           --max-model-len 4096 --rates "${RATES:-16,64,inf}" --output "$OUT/online06.json"
       fi ;;
     moe30b) bench moe30b 300 benchmarks/models/qwen3-30b-a3b ;;
+    moe30b_fp8) bench moe30b_fp8 300 benchmarks/models/qwen3-30b-a3b --quantization fp8 ;;
     fp8)
       bench fp8 300 benchmarks/models/qwen3-8b --quantization fp8
       bench fp8kv 300 benchmarks/models/qwen3-8b --quantization fp8 --kv-cache-dtype fp8 ;;
@@ -119,7 +120,7 @@ for s in $steps; do
                 --rows 256 --tokens 128 --modes "${SAMPLING_MODES:-plain,json,penalties,bias,n}" ;;
     attention) TAIL=40 run attention 300 python3 benchmarks/kernel_bench.py attention ;;
     moe_sweep) TAIL=60 run moe_sweep 560 python3 benchmarks/kernel_bench.py moe --tokens ${MOE_TOKENS:-256 1024 4096 8192} \
-                 --json "$OUT/moe_sweep.json" ;;
+                 ${MOE_FP8:+--fp8} --json "$OUT/moe_sweep.json" ;;
     profile06) TAIL=70 run profile06 300 python3 benchmarks/profile_step.py --model benchmarks/models/qwen3-0.6b \
                  --load-format dummy --out "$OUT/profile06" ;;
     profile8) TAIL=70 run profile8 400 python3 benchmarks/profile_step.py --model benchmarks/models/qwen3-8b \

@@ -3,7 +3,7 @@
     python3 benchmarks/kernel_bench.py attention            # the varlen prefill kernel beside torch SDPA (and FA3)
     python3 benchmarks/kernel_bench.py attention --sweep    # + every candidate tile config, the best per shape
     python3 benchmarks/kernel_bench.py attention --kv-cache-dtype fp8 [--sweep]   # ours over an e4m3 KV cache
-    python3 benchmarks/kernel_bench.py moe [--tp 1] [--tokens 1 8 256 ...] [--layers 4] [--json moe.json]
+    python3 benchmarks/kernel_bench.py moe [--tp 1] [--tokens 1 8 256 ...] [--layers 4] [--fp8] [--json moe.json]
 
 attention: causal bf16 prefill attention, head_dim 128, 32 query / 8 KV heads (Qwen3-8B, Llama-3-8B) and 16 / 8
 (Qwen3-0.6B), at 1,024 / 4,096 / 8,192 / 16,384 tokens and 8 x 8,192; in TFLOP/s with FLOPs = 2 * 2 * H * D *
@@ -31,7 +31,8 @@ layer's 1.2 GB already exceeds L2; the copies keep a replay from finding the las
 decode graphs do. The winner is checked against the torch reference (``fused_moe_ref``, M <= 1024) or the
 current table's config. Prints per M: microseconds, achieved TB/s (the experts touched + activations) and
 TFLOP/s, the current table's time, and at the end the measured table as an entry of ``MOE_CONFIGS`` in
-``nanovllm/kernels/moe_configs.py``, to paste there.
+``nanovllm/kernels/moe_configs.py``, to paste there. --fp8: the experts in e4m3 with per-row scales, as
+``quantization="fp8"`` stores them (weight-only; bytes and TB/s count one byte per weight).
 """
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ from nanovllm.kernels.moe import fused_moe, moe_down, moe_gate_up  # noqa: E402
 from nanovllm.kernels.moe_configs import GemmTile, MoEConfig, moe_config  # noqa: E402
 from nanovllm.kernels.moe_routing import moe_align, moe_route  # noqa: E402
 from nanovllm.layers.moe_ref import fused_moe_ref  # noqa: E402
+from nanovllm.layers.quantization import fp8_ref  # noqa: E402
 
 BLOCK = 256  # the engine's KV block size
 
@@ -307,8 +309,10 @@ def _seconds(fn, copies: int) -> float:
 
 
 def layer_seconds(x, logits, w13, w2, k, cfg: MoEConfig) -> float:
-    """The whole fused layer (routing, layout, GEMMs, combine) with cfg, per weight copy."""
-    return _seconds(lambda: [fused_moe(x, logits, a, b, k, True, config=cfg) for a, b in zip(w13, w2)], len(w13))
+    """The whole fused layer (routing, layout, GEMMs, combine) with cfg, per weight copy. w13 / w2: lists of
+    (weights, per-row scales or None) copies."""
+    return _seconds(lambda: [fused_moe(x, logits, a, b, k, True, config=cfg, w13_scale=sa, w2_scale=sb)
+                             for (a, sa), (b, sb) in zip(w13, w2)], len(w13))
 
 
 def sweep_block(x, logits, weights, ids, w13, w2, k: int, block_m: int):
@@ -317,11 +321,13 @@ def sweep_block(x, logits, weights, ids, w13, w2, k: int, block_m: int):
     layout = moe_align(ids, w13[0].shape[0], block_m)
     up_tiles, down_tiles = tiles(block_m, 2), tiles(block_m, 1)
     with ThreadPoolExecutor(16) as pool:  # compile side by side (the compiler runs in subprocesses)
-        list(pool.map(lambda t: _try(lambda: moe_gate_up(x, w13[0], layout, k, t)), up_tiles))
-        h = moe_gate_up(x, w13[0], layout, k, up_tiles[0])
-        list(pool.map(lambda t: _try(lambda: moe_down(h, w2[0], layout, weights, t)), down_tiles))
-    gu = {t: _seconds(lambda t=t: [moe_gate_up(x, w, layout, k, t) for w in w13], len(w13)) for t in up_tiles}
-    dn = {t: _seconds(lambda t=t: [moe_down(h, w, layout, weights, t) for w in w2], len(w2)) for t in down_tiles}
+        list(pool.map(lambda t: _try(lambda: moe_gate_up(x, w13[0][0], layout, k, t, w13[0][1])), up_tiles))
+        h = moe_gate_up(x, w13[0][0], layout, k, up_tiles[0], w13[0][1])
+        list(pool.map(lambda t: _try(lambda: moe_down(h, w2[0][0], layout, weights, t, w2[0][1])), down_tiles))
+    gu = {t: _seconds(lambda t=t: [moe_gate_up(x, w, layout, k, t, sc) for w, sc in w13], len(w13))
+          for t in up_tiles}
+    dn = {t: _seconds(lambda t=t: [moe_down(h, w, layout, weights, t, sc) for w, sc in w2], len(w2))
+          for t in down_tiles}
     cfg = MoEConfig(block_m, min(gu, key=gu.get), min(dn, key=dn.get))
     return layer_seconds(x, logits, w13, w2, k, cfg), cfg, gu[cfg.gate_up], dn[cfg.down], layout.block_expert.numel()
 
@@ -336,12 +342,20 @@ def bench_moe(ns) -> dict:
     def rand(*shape):
         return (0.02 * torch.randn(*shape, generator=gen, device=dev)).to(dt)
 
-    w13 = [rand(E, 2 * inter, H) for _ in range(ns.layers)]
-    w2 = [rand(E, H, inter) for _ in range(ns.layers)]
+    def experts(n, kk):  # (weights, per-row scales): bf16 and None, or e4m3 and float32 (E, n) as Fp8MoEMethod
+        w = rand(E, n, kk)
+        if not ns.fp8:
+            return w, None
+        q, sc = fp8_ref.quantize_rows(w.view(E * n, kk))
+        return q.view(E, n, kk), sc.view(E, n)
+
+    w13 = [experts(2 * inter, H) for _ in range(ns.layers)]
+    w2 = [experts(H, inter) for _ in range(ns.layers)]
     router = rand(E, H)
-    expert_bytes = 3 * H * inter * 2
-    print(f"fused MoE: E={E} H={H} I={inter} (tp={ns.tp}) top-{k}, bf16, {ns.layers} weight copies, "
-          f"{expert_bytes * E / 1e9:.2f} GB of experts per layer; {torch.cuda.get_device_name()}")
+    expert_bytes = 3 * H * inter * (1 if ns.fp8 else 2)
+    print(f"fused MoE: E={E} H={H} I={inter} (tp={ns.tp}) top-{k}, {'FP8 (e4m3) experts' if ns.fp8 else 'bf16'}, "
+          f"{ns.layers} weight copies, {expert_bytes * E / 1e9:.2f} GB of experts per layer; "
+          f"{torch.cuda.get_device_name()}")
     rows, table = [], []
     for M in ns.tokens:
         x = torch.randn(M, H, generator=gen, device=dev).to(dt)
@@ -353,9 +367,10 @@ def bench_moe(ns) -> dict:
                                           for bm in block_ms(M)), key=lambda r: r[0])
         current = moe_config(M, E, H, inter)
         t_cur = layer_seconds(x, logits, w13, w2, k, current)
-        y = fused_moe(x, logits, w13[0], w2[0], k, True, config=cfg)
-        ref = fused_moe_ref(x, logits, w13[0], w2[0], k, True) if M <= 1024 else \
-            fused_moe(x, logits, w13[0], w2[0], k, True, config=current)
+        scales = dict(w13_scale=w13[0][1], w2_scale=w2[0][1])
+        y = fused_moe(x, logits, w13[0][0], w2[0][0], k, True, config=cfg, **scales)
+        ref = fused_moe_ref(x, logits, w13[0][0], w2[0][0], k, True, **scales) if M <= 1024 else \
+            fused_moe(x, logits, w13[0][0], w2[0][0], k, True, config=current, **scales)
         err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
         moved = touched * expert_bytes + 2 * M * H * 2 + M * k * (2 * inter + 2 * H) * 2
         row = {"tokens": M, "experts_touched": touched, "max_blocks": nb, "config": str(cfg), "us": total * 1e6,
@@ -403,6 +418,7 @@ def moe(argv: list[str]) -> None:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--inter", type=int, default=768)
     ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--fp8", action="store_true", help="FP8 experts (e4m3, per-row scales: quantization='fp8')")
     ap.add_argument("--json", default=None, help="write the rows here")
     ns = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -191,6 +191,63 @@ def test_fp8_kv_and_weights_under_triton_interpreter(tiny_ckpt):
     llm.shutdown()
 
 
+# --- FP8 experts (mixture of experts) -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])  # qwen2_moe: a shared expert (an FP8 linear MLP)
+def test_fp8_experts_match_fake_quant_reference(arch, tiny_ckpt, refs):
+    """quantization="fp8" on a mixture of experts: the experts stored e4m3 with per-(expert, row) scales, the
+    router in the model dtype; the tokens of transformers with the same fake quantization (experts weight-only,
+    the dense projections and Qwen2-MoE's shared expert per token and channel), with chunked prefill."""
+    from nanovllm.layers.quantization.fp8 import Fp8MoEMethod
+    path = tiny_ckpt(arch)
+    prompts = make_prompts()
+    llm = LLM(path, **CPU, quantization="fp8", max_num_batched_tokens=128)
+    block = llm.engine.runner.model.model.layers[1].mlp
+    E, inter, H = block.experts.num_experts, block.experts.intermediate_size, block.experts.hidden_size
+    assert isinstance(block.experts.method, Fp8MoEMethod) and block.gate.weight.dtype == torch.float32
+    assert block.experts.w13.dtype == block.experts.w2.dtype == torch.float8_e4m3fn
+    assert block.experts.w13_scale.shape == (E, 2 * inter) and block.experts.w2_scale.shape == (E, H)
+    out = [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    llm.shutdown()
+    ref_model = refs(path, "rows")
+    assert_same_tokens(ref_model, prompts, greedy(ref_model, prompts, MAX_NEW), out)
+
+
+def test_fp8_experts_triton_kernels_and_tensor_parallel(tiny_ckpt, refs):
+    """FP8 experts through the Triton MoE kernels (CPU interpreter) give the torch backend's tokens; at TP=2 (each
+    rank quantizes its slice of the experts) the tokens of the reference quantizing per rank."""
+    path = tiny_ckpt("qwen3_moe")
+    prompts = make_prompts([1, 20, 40], seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    ref = _tokens(path, prompts, params, quantization="fp8")
+    llm = LLM(path, **CPU, quantization="fp8", attention_backend="triton", max_num_batched_tokens=32,
+              kvcache_block_size=16)
+    from nanovllm import kernels
+    assert llm.engine.runner.model.model.layers[1].mlp.experts.fused_moe is kernels.fused_moe
+    assert [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)] == ref
+    llm.shutdown()
+    prompts = make_prompts([1, 5, 17, 40], high=480)
+    llm = LLM(path, **CPU, tensor_parallel_size=2, quantization="fp8", max_model_len=256, kvcache_block_size=16,
+              num_kvcache_blocks=48, max_num_seqs=8)
+    out = [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    llm.shutdown()
+    ref_model = refs(path, "rows", tp=2)
+    assert_same_tokens(ref_model, prompts, greedy(ref_model, prompts, MAX_NEW), out)
+
+
+def test_block_fp8_moe_checkpoint_is_refused(tiny_ckpt, tmp_path):
+    path = str(tmp_path / "moe-fp8")
+    shutil.copytree(tiny_ckpt("qwen3_moe"), path)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                  "weight_block_size": [128, 128]}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match="block-FP8 checkpoints .* of mixture-of-experts models are not supported"):
+        LLM(path, **CPU)
+
+
 # --- block-FP8 checkpoints ---------------------------------------------------------------------------------------
 
 def test_block_fp8_checkpoint_loads_and_generates(block_ckpt, refs):

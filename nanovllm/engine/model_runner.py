@@ -93,8 +93,9 @@ class ModelRunner:
             from nanovllm.layers.quantization import QuantizationMethods
             quant = QuantizationMethods(cfg.quantization, use_kernels=self.ops.fused,
                                         packed_modules=packed_modules_mapping(cfg.model))
+        moe = {"moe_method": quant.moe_method()} if quant is not None and cfg.model.num_experts else {}
         ctx = LayerContext(attention=self.backend, tp=self.tp, ops=self.ops,
-                           linear_method=UnquantizedLinearMethod(self.gemm_plan), quantization=quant)
+                           linear_method=UnquantizedLinearMethod(self.gemm_plan), quantization=quant, **moe)
         prev = torch.get_default_dtype()
         torch.set_default_dtype(cfg.dtype)
         try:

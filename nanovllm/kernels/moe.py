@@ -26,12 +26,14 @@ from nanovllm.kernels.moe_configs import GemmTile, MoEConfig, config_buckets, mo
 from nanovllm.kernels.moe_routing import moe_align, moe_route
 from nanovllm.layers.moe_ref import MoELayout
 
+FP8 = torch.float8_e4m3fn
+
 
 @triton.jit(do_not_specialize=["n_blocks"])
-def _gate_up_kernel(X, W, SORTED, BLOCK_EXPERT, BLOCK_ROWS, OUT, n_blocks, N, K,
+def _gate_up_kernel(X, W, WS, SORTED, BLOCK_EXPERT, BLOCK_ROWS, OUT, n_blocks, N, K,
                     stride_x, stride_we, stride_wn, stride_o,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
     pid = tl.program_id(0)
     blk = pid % n_blocks
     e = tl.load(BLOCK_EXPERT + blk)
@@ -61,22 +63,28 @@ def _gate_up_kernel(X, W, SORTED, BLOCK_EXPERT, BLOCK_ROWS, OUT, n_blocks, N, K,
             g = tl.load(g_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
             u = tl.load(u_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         if UPCAST:
-            a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+            a = a.to(tl.float32)
+        if UPCAST or FP8:  # e4m3 weights: converted exactly, scaled after the loop
+            g, u = g.to(a.dtype), u.to(a.dtype)
         acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
         acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
+    if FP8:  # WS (E, 2N) float32: each expert's per-row scales, [gate | up]
+        ws = WS + e.to(tl.int64) * 2 * N + offs_n
+        acc_g = acc_g * tl.load(ws, mask=n_ok, other=0.0)[None, :]
+        acc_u = acc_u * tl.load(ws + N, mask=n_ok, other=0.0)[None, :]
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     tl.store(OUT + rows[:, None] * stride_o + offs_n[None, :], h.to(OUT.dtype.element_ty),
              mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["n_blocks"])
-def _down_kernel(A, W, SORTED, BLOCK_EXPERT, BLOCK_ROWS, TOPW, OUT, n_blocks, N, K,
+def _down_kernel(A, W, WS, SORTED, BLOCK_EXPERT, BLOCK_ROWS, TOPW, OUT, n_blocks, N, K,
                  stride_a, stride_we, stride_wn, stride_o,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
     pid = tl.program_id(0)
     blk = pid % n_blocks
     e = tl.load(BLOCK_EXPERT + blk)
@@ -101,10 +109,14 @@ def _down_kernel(A, W, SORTED, BLOCK_EXPERT, BLOCK_ROWS, TOPW, OUT, n_blocks, N,
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         if UPCAST:
-            a, w = a.to(tl.float32), w.to(tl.float32)
+            a = a.to(tl.float32)
+        if UPCAST or FP8:
+            w = w.to(a.dtype)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if FP8:  # WS (E, N) float32
+        acc = acc * tl.load(WS + e.to(tl.int64) * N + offs_n, mask=n_ok, other=0.0)[None, :]
     acc = acc * tl.load(TOPW + pair, mask=row_ok, other=0.0)[:, None]
     tl.store(OUT + pair[:, None] * stride_o + offs_n[None, :], acc.to(OUT.dtype.element_ty),
              mask=row_ok[:, None] & n_ok[None, :])
@@ -126,25 +138,36 @@ def _rows_contiguous(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be contiguous, got shape {tuple(t.shape)} strides {tuple(t.stride())}")
 
 
-def _check_operands(fn: str, a: torch.Tensor, w: torch.Tensor) -> None:
-    """a (rows, K) with contiguous rows and w (E, N, K) contiguous, one dtype."""
+def _check_operands(fn: str, a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None) -> None:
+    """a (rows, K) with contiguous rows and w (E, N, K) contiguous, one dtype; or w e4m3 with its float32 per-row
+    scales w_scale (E, N), contiguous."""
     if a.dim() != 2 or w.dim() != 3 or a.shape[1] != w.shape[2] or (a.shape[1] > 1 and a.stride(1) != 1):
         raise ValueError(f"{fn}: want rows (n, K) with contiguous rows and weights (E, N, K), got {tuple(a.shape)} "
                          f"strides {tuple(a.stride())} and {tuple(w.shape)}")
-    if a.dtype != w.dtype:
+    if (w.dtype == FP8) != (w_scale is not None):
+        raise ValueError(f"{fn}: float8_e4m3fn weights come with their scales (and only they), got {w.dtype} "
+                         f"weights and {'no' if w_scale is None else 'some'} scales")
+    if w_scale is not None:
+        if w_scale.dtype != torch.float32 or tuple(w_scale.shape) != tuple(w.shape[:2]) or not w_scale.is_contiguous():
+            raise ValueError(f"{fn}: weight scales must be contiguous float32 {tuple(w.shape[:2])}, got "
+                             f"{w_scale.dtype} {tuple(w_scale.shape)}")
+        check_same_device(weights=w, weight_scales=w_scale)
+    elif a.dtype != w.dtype:
         raise ValueError(f"{fn}: operands must share a dtype, got {a.dtype} and {w.dtype}")
     _rows_contiguous(f"{fn}: weights", w)
 
 
-def _launch_args(tile: GemmTile, dtype: torch.dtype, K: int) -> dict:
+def _launch_args(tile: GemmTile, dtype: torch.dtype, K: int, fp8: bool) -> dict:
     return dict(BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=K % tile.block_k == 0, UPCAST=upcast_dots(dtype),
-                PRECISION=dot_precision(dtype), num_warps=tile.num_warps, num_stages=tile.num_stages)
+                PRECISION=dot_precision(dtype), FP8=fp8, num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
-def moe_gate_up(x: torch.Tensor, w13: torch.Tensor, layout: MoELayout, top_k: int, tile: GemmTile) -> torch.Tensor:
+def moe_gate_up(x: torch.Tensor, w13: torch.Tensor, layout: MoELayout, top_k: int, tile: GemmTile,
+                w13_scale: torch.Tensor | None = None) -> torch.Tensor:
     """(rows, I) silu(gate) * up of each layout row's token and expert (``gate_up_ref``; padding rows unwritten).
-    x (T, H) with contiguous rows; w13 (E, 2I, H) contiguous, [gate | up] per expert."""
-    _check_operands("moe_gate_up", x, w13)
+    x (T, H) with contiguous rows; w13 (E, 2I, H) contiguous, [gate | up] per expert, in x's dtype or e4m3 with
+    w13_scale (E, 2I) float32 (one scale per expert and row)."""
+    _check_operands("moe_gate_up", x, w13, w13_scale)
     E, two_i, H = w13.shape
     inter = two_i // 2
     tile = tile.fit(inter, H, x.element_size())
@@ -152,17 +175,19 @@ def moe_gate_up(x: torch.Tensor, w13: torch.Tensor, layout: MoELayout, top_k: in
     out = torch.empty(nb * layout.block_m, inter, dtype=x.dtype, device=x.device)
     if nb:
         grid = (nb * triton.cdiv(inter, tile.block_n),)
-        _gate_up_kernel[grid](x, w13, layout.sorted_ids, layout.block_expert, layout.block_rows, out, nb, inter, H,
+        _gate_up_kernel[grid](x, w13, w13 if w13_scale is None else w13_scale, layout.sorted_ids,
+                              layout.block_expert, layout.block_rows, out, nb, inter, H,
                               x.stride(0), w13.stride(0), w13.stride(1), out.stride(0), TOP_K=top_k,
-                              BLOCK_M=layout.block_m, **_launch_args(tile, x.dtype, H))
+                              BLOCK_M=layout.block_m, **_launch_args(tile, x.dtype, H, w13_scale is not None))
     return out
 
 
 def moe_down(inter: torch.Tensor, w2: torch.Tensor, layout: MoELayout, weights: torch.Tensor,
-             tile: GemmTile) -> torch.Tensor:
+             tile: GemmTile, w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """(T * top_k, H) weighted down projections, row t * top_k + j (``down_ref``). inter (rows, I) from
-    moe_gate_up; w2 (E, H, I) contiguous; weights (T, top_k) float32 contiguous."""
-    _check_operands("moe_down", inter, w2)
+    moe_gate_up; w2 (E, H, I) contiguous, in inter's dtype or e4m3 with w2_scale (E, H) float32; weights
+    (T, top_k) float32 contiguous."""
+    _check_operands("moe_down", inter, w2, w2_scale)
     if weights.dtype != torch.float32 or not weights.is_contiguous():
         raise ValueError(f"moe_down: weights must be contiguous float32, got {weights.dtype} {tuple(weights.stride())}")
     E, H, K = w2.shape
@@ -171,9 +196,10 @@ def moe_down(inter: torch.Tensor, w2: torch.Tensor, layout: MoELayout, weights: 
     out = torch.empty(weights.numel(), H, dtype=inter.dtype, device=inter.device)
     if nb:
         grid = (nb * triton.cdiv(H, tile.block_n),)
-        _down_kernel[grid](inter, w2, layout.sorted_ids, layout.block_expert, layout.block_rows, weights, out, nb, H,
-                           K, inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0), BLOCK_M=layout.block_m,
-                           **_launch_args(tile, inter.dtype, K))
+        _down_kernel[grid](inter, w2, w2 if w2_scale is None else w2_scale, layout.sorted_ids, layout.block_expert,
+                           layout.block_rows, weights, out, nb, H, K, inter.stride(0), w2.stride(0), w2.stride(1),
+                           out.stride(0), BLOCK_M=layout.block_m,
+                           **_launch_args(tile, inter.dtype, K, w2_scale is not None))
     return out
 
 
@@ -197,13 +223,22 @@ def moe_combine(pairs: torch.Tensor, top_k: int, out: torch.Tensor | None = None
 
 
 def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-              renormalize: bool, out: torch.Tensor | None = None, *, config: MoEConfig | None = None) -> torch.Tensor:
+              renormalize: bool, out: torch.Tensor | None = None, *, config: MoEConfig | None = None,
+              w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The mixture-of-experts feed-forward (T, H), as ``fused_moe_ref``: x (T, H); router_logits (T, E);
     w13 (E, 2I, H) and w2 (E, H, I) contiguous in x's dtype (I: this rank's slice: the result is then its partial
-    sum); into `out` ((T, H) contiguous, x's dtype) when given. config None: from the table (moe_config)."""
+    sum), or e4m3 with their float32 per-row scales w13_scale (E, 2I) and w2_scale (E, H) (weight-only FP8: the
+    activations stay in x's dtype); into `out` ((T, H) contiguous, x's dtype) when given. config None: from the
+    table (moe_config)."""
     fn = "fused_moe"
-    for name, t in (("x", x), ("w13", w13), ("w2", w2)):
-        check_float(f"{fn}: {name}", t)
+    check_float(f"{fn}: x", x)
+    if (w13_scale is None) != (w2_scale is None):
+        raise ValueError(f"{fn}: w13_scale and w2_scale come together (FP8 experts) or not at all")
+    for name, t, sc in (("w13", w13, w13_scale), ("w2", w2, w2_scale)):
+        if sc is None:
+            check_float(f"{fn}: {name}", t)
+        elif t.dtype != FP8:
+            raise ValueError(f"{fn}: {name} with scales must be float8_e4m3fn, got {t.dtype}")
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"{fn}: want x (T, H), w13 (E, 2I, H), w2 (E, H, I); got {tuple(x.shape)}, "
                          f"{tuple(w13.shape)}, {tuple(w2.shape)}")
@@ -214,7 +249,7 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
                          f"w2 {tuple(w2.shape)} (want ({E}, {H}, I))")
     if tuple(router_logits.shape) != (T, E):
         raise ValueError(f"{fn}: router_logits must be ({T}, {E}), got {tuple(router_logits.shape)}")
-    if not (x.dtype == w13.dtype == w2.dtype):
+    if w13_scale is None and not (x.dtype == w13.dtype == w2.dtype):
         raise ValueError(f"{fn}: x, w13 and w2 must share a dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
     if H > 1 and x.stride(1) != 1:
         raise ValueError(f"{fn}: x needs contiguous rows, got strides {tuple(x.stride())}")
@@ -229,23 +264,27 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
         config = moe_config(T, E, H, two_i // 2)
     weights, ids = moe_route(router_logits, top_k, renormalize)
     layout = moe_align(ids, E, config.block_m)
-    inter = moe_gate_up(x, w13, layout, top_k, config.gate_up)
-    return moe_combine(moe_down(inter, w2, layout, weights, config.down), top_k, out)
+    inter = moe_gate_up(x, w13, layout, top_k, config.gate_up, w13_scale)
+    return moe_combine(moe_down(inter, w2, layout, weights, config.down, w2_scale), top_k, out)
 
 
-def fused_moe_compile(w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool) -> int:
+def fused_moe_compile(w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool,
+                      w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                      dtype: torch.dtype | None = None) -> int:
     """Run the layer on one token with every config of its weight shape's table, so that each kernel variant a step
     can pick is compiled now (at start-up), not by the first step of its size mid-run; the first config alone
     (it compiles the kernels all share), the others side by side on CUDA (the compiler runs in subprocesses; the
-    CPU interpreter runs one launch at a time). Returns how many configs."""
+    CPU interpreter runs one launch at a time). FP8 experts: with their scales, for activations of `dtype`.
+    Returns how many configs."""
     from concurrent.futures import ThreadPoolExecutor
     E, two_i, H = w13.shape
     configs = list(dict.fromkeys(cfg for _, cfg in config_buckets(E, H, two_i // 2)))
-    x = torch.zeros(1, H, dtype=w13.dtype, device=w13.device)
-    logits = torch.zeros(1, E, dtype=w13.dtype, device=w13.device)
+    dtype = dtype or w13.dtype
+    x = torch.zeros(1, H, dtype=dtype, device=w13.device)
+    logits = torch.zeros(1, E, dtype=dtype, device=w13.device)
 
     def run(cfg):
-        fused_moe(x, logits, w13, w2, top_k, renormalize, config=cfg)
+        fused_moe(x, logits, w13, w2, top_k, renormalize, config=cfg, w13_scale=w13_scale, w2_scale=w2_scale)
 
     run(configs[0])
     with ThreadPoolExecutor(max(1, len(configs) - 1) if w13.is_cuda else 1) as pool:

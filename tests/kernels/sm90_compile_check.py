@@ -180,15 +180,17 @@ def check_moe(dt: str) -> None:
                                               BLOCK_B=moe_routing.SCAN_BLOCKS), num_warps=8)
     build(moe_routing._scatter_kernel, i32, dict(BLOCK_P=moe_routing.BLOCK_P), num_warps=4)
     build(moe._combine_kernel, {"P": f"*{dt}", "OUT": f"*{dt}"}, dict(TOP_K=8, BLOCK_H=1024), num_warps=4)
-    ptrs = {**i32, "X": f"*{dt}", "W": f"*{dt}", "OUT": f"*{dt}", "A": f"*{dt}", "TOPW": "*fp32"}
-    for cfg in dict.fromkeys(c for _, c in DEFAULT_BUCKETS):
-        for fn, tile in ((moe._gate_up_kernel, cfg.gate_up.fit(768, 2048, DTYPES[dt].itemsize)),
-                         (moe._down_kernel, cfg.down.fit(2048, 768, DTYPES[dt].itemsize))):
-            consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=True,
-                          UPCAST=False, PRECISION="ieee" if dt == "fp32" else None)
-            if fn is moe._gate_up_kernel:
-                consts["TOP_K"] = 8
-            build(fn, ptrs, consts, num_warps=tile.num_warps, num_stages=tile.num_stages)
+    for fp8 in (False, True):  # FP8 experts: e4m3 weights, float32 per-row scales (WS), weight-only
+        w, ws = ("fp8e4nv", "fp32") if fp8 else (dt, dt)
+        ptrs = {**i32, "X": f"*{dt}", "W": f"*{w}", "WS": f"*{ws}", "OUT": f"*{dt}", "A": f"*{dt}", "TOPW": "*fp32"}
+        for cfg in dict.fromkeys(c for _, c in DEFAULT_BUCKETS):
+            for fn, tile in ((moe._gate_up_kernel, cfg.gate_up.fit(768, 2048, DTYPES[dt].itemsize)),
+                             (moe._down_kernel, cfg.down.fit(2048, 768, DTYPES[dt].itemsize))):
+                consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=True,
+                              UPCAST=False, PRECISION="ieee" if dt == "fp32" else None, FP8=fp8)
+                if fn is moe._gate_up_kernel:
+                    consts["TOP_K"] = 8
+                build(fn, ptrs, consts, num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
 if __name__ == "__main__":

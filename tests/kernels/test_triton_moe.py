@@ -1,7 +1,7 @@
 """The fused-MoE kernels (``nanovllm.kernels.moe`` / ``moe_routing``) against their torch references
 (``nanovllm.layers.moe_ref``): routing (ties, NaN rows), the expert-sorted layout (experts with no tokens, one
 token, several counting chunks), both grouped GEMMs (rows that don't fill a block, padding never read), the
-combine, and the whole layer in float32 and bfloat16."""
+combine, and the whole layer in float32 and bfloat16; with FP8 (e4m3) experts and their per-row scales too."""
 import pytest
 import torch
 
@@ -12,6 +12,7 @@ from nanovllm.layers.moe_ref import (
     MoELayout,
     align_ref,
     combine_ref,
+    dequantize_experts,
     down_ref,
     fused_moe_ref,
     gate_up_ref,
@@ -140,6 +141,61 @@ def test_fused_moe_matches_reference(device, dtype, cfg, T, E, k, renorm, skew):
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
     torch.testing.assert_close(y.float(), ref.float(), **tol)
     assert torch.equal(fused_moe(x, logits.to(dtype), w13, w2, k, renorm, config=cfg), y)  # deterministic
+
+
+def _fp8_experts(E, H, inter, device, seed=5):
+    """Random experts quantized as Fp8MoEMethod does: (w13 e4m3, its scales (E, 2I), w2 e4m3, scales (E, H))."""
+    from nanovllm.layers.quantization import fp8_ref
+    out = []
+    for i, (n, k) in enumerate(((2 * inter, H), (H, inter))):
+        w = _rand(E * n, k, seed=seed + i, scale=0.2)
+        q, sc = fp8_ref.quantize_rows(w)
+        out += [q.view(E, n, k).to(device), sc.view(E, n).to(device)]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cfg", CONFIGS[:2], ids=lambda c: f"m{c.block_m}")
+def test_fp8_experts_match_reference(device, dtype, cfg):
+    """e4m3 experts with per-row scales (weight-only FP8), step by step and the whole layer, against the
+    references multiplying by the dequantized weights; H=48: a reduction no multiple of the k-tile."""
+    T, E, k, H, inter = 29, 8, 2, 48, 32
+    w13, s13, w2, s2 = _fp8_experts(E, H, inter, device)
+    x = _rand(T, H, seed=1, dtype=dtype, device=device)
+    logits = _rand(T, E, seed=2, device=device).to(dtype)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    weights, ids = route_ref(logits, k, True)
+    layout = align_ref(ids, E, cfg.block_m)
+    real = layout.row_mask()
+    h = moe_gate_up(x, w13, _poisoned(layout), k, cfg.gate_up, s13)
+    h_ref = gate_up_ref(x, w13, layout, k, s13)
+    torch.testing.assert_close(h[real].float(), h_ref[real].float(), **tol)
+    # the scales matter: without them the product is off by their size (~1e-3 here)
+    assert not torch.allclose(h_ref[real].float(), gate_up_ref(x, dequantize_experts(w13, None).to(dtype), layout,
+                                                               k)[real].float(), **tol)
+    pairs = moe_down(h_ref, w2, _poisoned(layout), weights, cfg.down, s2)
+    torch.testing.assert_close(pairs.float(), down_ref(h_ref, w2, layout, weights, s2).float(), **tol)
+    y = fused_moe(x, logits, w13, w2, k, True, config=cfg, w13_scale=s13, w2_scale=s2)
+    ref = fused_moe_ref(x, logits, w13, w2, k, True, w13_scale=s13, w2_scale=s2)
+    torch.testing.assert_close(y.float(), ref.float(), **tol)
+    # the reference on the dequantized experts is the unquantized layer
+    deq = fused_moe_ref(x, logits, dequantize_experts(w13, s13).to(dtype), dequantize_experts(w2, s2).to(dtype),
+                        k, True)
+    torch.testing.assert_close(ref.float(), deq.float(), **tol)
+    assert fused_moe_compile(w13, w2, k, True, s13, s2, dtype) == len(set(c for _, c in DEFAULT_BUCKETS))
+
+
+def test_fp8_experts_reject_bad_scales(device):
+    w13, s13, w2, s2 = _fp8_experts(4, 32, 16, device)
+    x, lg = torch.zeros(3, 32, device=device), torch.zeros(3, 4, device=device)
+    with pytest.raises(ValueError, match="come together"):
+        fused_moe(x, lg, w13, w2, 2, True, w13_scale=s13)
+    with pytest.raises(ValueError, match="w13 with scales must be float8_e4m3fn"):
+        fused_moe(x, lg, w13.float(), w2, 2, True, w13_scale=s13, w2_scale=s2)
+    with pytest.raises(ValueError, match=r"weight scales must be contiguous float32 \(4, 32\)"):
+        fused_moe(x, lg, w13, w2, 2, True, w13_scale=s13[:, :16], w2_scale=s2)
+    with pytest.raises(ValueError, match="come with their scales"):
+        moe_gate_up(x, w13, align_ref(torch.zeros(3, 2, dtype=torch.int32), 4, 16), 2, GemmTile(16, 16))
 
 
 def test_fused_moe_rejects_bad_inputs(device):

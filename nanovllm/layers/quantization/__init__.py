@@ -11,8 +11,8 @@ Two FP8 (e4m3) schemes, both with dynamic activation scales:
 The embeddings, norms and the LM head are never quantized (they are not linear layers here).
 
 `QuantizationConfig` is the resolved choice (in `EngineConfig`); `QuantizationMethods` hands each layer its
-method by checkpoint name (`LayerContext.linear`). A mixture-of-experts layer would ask it for its method the
-same way (a ``moe_method(prefix)`` beside ``linear_method``).
+method by checkpoint name (`LayerContext.linear`), and every mixture-of-experts layer its experts' method
+(``moe_method``: online FP8 experts, weight-only, ``fp8.Fp8MoEMethod``).
 """
 from __future__ import annotations
 
@@ -91,6 +91,15 @@ class QuantizationMethods:
             self.method = Fp8BlockLinearMethod(config.weight_block_size, use_kernels)
         else:
             self.method = Fp8LinearMethod(use_kernels)
+
+    def moe_method(self):
+        """The method of every mixture-of-experts layer: online FP8 experts (``fp8.Fp8MoEMethod``). A block-FP8
+        checkpoint's experts are refused (ValueError): their block-scaled expert GEMMs are not implemented."""
+        from nanovllm.layers.quantization.fp8 import Fp8MoEMethod
+        if self.config.checkpoint:
+            raise ValueError("block-FP8 checkpoints (quant_method 'fp8') of mixture-of-experts models are not "
+                             "supported yet; load the bf16 checkpoint with quantization='fp8' instead")
+        return Fp8MoEMethod()
 
     def linear_method(self, prefix: str):
         parent, _, name = prefix.rpartition(".")

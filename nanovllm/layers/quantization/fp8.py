@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from nanovllm.layers.linear import LinearBase
+from nanovllm.layers.moe import UnquantizedMoEMethod
 from nanovllm.layers.quantization import fp8_ref
 from nanovllm.layers.quantization.fp8_ref import FP8_DTYPE
 
@@ -94,6 +95,31 @@ class Fp8BlockLinearMethod:
         from nanovllm import kernels
         xq, xs = kernels.per_token_group_quant_fp8(x, bk)
         return kernels.w8a8_gemm(xq, xs, w, ws, x.dtype, block=self.block, bias=bias, out=out)
+
+
+class Fp8MoEMethod(UnquantizedMoEMethod):
+    """Online FP8 experts (weight-only): the experts load in the model dtype (this rank's slices) and are
+    quantized once in place, e4m3 with one float32 scale per expert and output row (``w13_scale`` (E, 2I),
+    ``w2_scale`` (E, H)); the activations stay in the model dtype. A decode step's experts are bound by the
+    bytes of their weights (``docs/moe.md``), which this halves; the router stays in the model dtype."""
+
+    def process_weights_after_loading(self, layer):
+        dtype = layer.w13.dtype  # the model's (the activations')
+        for name in ("w13", "w2"):
+            w = getattr(layer, name)
+            E, N, K = w.shape
+            q, s = fp8_ref.quantize_rows(w.data.reshape(E * N, K))
+            setattr(layer, name, nn.Parameter(q.view(E, N, K), requires_grad=False))
+            setattr(layer, f"{name}_scale", nn.Parameter(s.view(E, N), requires_grad=False))
+        key = (tuple(layer.w13.shape), dtype, layer.w13.device, layer.top_k, layer.renormalize)
+        if layer.fused_moe_compile is not None and layer.w13.is_cuda and key not in self._compiled:
+            self._compiled.add(key)
+            layer.fused_moe_compile(layer.w13, layer.w2, layer.top_k, layer.renormalize, layer.w13_scale,
+                                    layer.w2_scale, dtype)
+
+    def apply(self, layer, x, router_logits, out=None):
+        return layer.fused_moe(x, router_logits, layer.w13, layer.w2, layer.top_k, layer.renormalize, out=out,
+                               w13_scale=layer.w13_scale, w2_scale=layer.w2_scale)
 
 
 def _fp8_weight_loader(layer: LinearBase):
