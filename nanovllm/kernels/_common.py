@@ -18,6 +18,20 @@ def is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
 
+def check_tiling(obj, tiles: tuple[str, ...], counts: tuple[str, ...] = ("num_warps", "num_stages")) -> None:
+    """A tile-config dataclass's fields: `tiles` powers of two >= 16 (tl.dot's smallest), `counts` positive
+    ints; ValueError naming the class, the field and the value."""
+    cls = type(obj).__name__
+    for name in tiles:
+        v = getattr(obj, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 16 or not is_pow2(v):
+            raise ValueError(f"{cls}.{name} must be a power of two >= 16, got {v!r}")
+    for name in counts:
+        v = getattr(obj, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{cls}.{name} must be a positive int, got {v!r}")
+
+
 def interpreting() -> bool:
     """True under the Triton CPU interpreter (TRITON_INTERPRET set and not 0)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels._common import check_same_device, is_pow2, sm_count
+from nanovllm.kernels._common import check_same_device, check_tiling, sm_count
 
 
 @dataclass(frozen=True)
@@ -32,14 +32,7 @@ class Fp8GemmConfig:
     num_stages: int = 4
 
     def __post_init__(self):
-        for name in ("block_m", "block_n", "block_k"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 16 or not is_pow2(v):
-                raise ValueError(f"Fp8GemmConfig.{name} must be a power of two >= 16, got {v!r}")
-        for name in ("num_warps", "num_stages"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"Fp8GemmConfig.{name} must be a positive int, got {v!r}")
+        check_tiling(self, ("block_m", "block_n", "block_k"))
 
     def __str__(self) -> str:
         return f"{self.block_m}x{self.block_n}x{self.block_k}w{self.num_warps}s{self.num_stages}"

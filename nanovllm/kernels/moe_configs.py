@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nanovllm.kernels._common import is_pow2, next_pow2
+from nanovllm.kernels._common import check_tiling, next_pow2
 
 
 @dataclass(frozen=True)
@@ -28,14 +28,7 @@ class GemmTile:
     num_stages: int = 3
 
     def __post_init__(self):
-        for name in ("block_n", "block_k"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 16 or not is_pow2(v):
-                raise ValueError(f"GemmTile.{name} must be a power of two >= 16, got {v!r}")
-        for name in ("num_warps", "num_stages"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"GemmTile.{name} must be a positive int, got {v!r}")
+        check_tiling(self, ("block_n", "block_k"))
 
     def fit(self, n: int, k: int, itemsize: int = 2) -> GemmTile:
         """This tile shrunk to an (n outputs, k reduction) problem smaller than it (tiny test models), and for
@@ -57,9 +50,7 @@ class MoEConfig:
     down: GemmTile
 
     def __post_init__(self):
-        if isinstance(self.block_m, bool) or not isinstance(self.block_m, int) or self.block_m < 16 \
-                or not is_pow2(self.block_m):
-            raise ValueError(f"MoEConfig.block_m must be a power of two >= 16, got {self.block_m!r}")
+        check_tiling(self, ("block_m",), ())
 
     def __str__(self) -> str:
         return f"m{self.block_m} gate_up {self.gate_up} down {self.down}"
