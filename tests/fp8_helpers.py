@@ -55,19 +55,23 @@ def reference_model(path: str, weights: str | tuple[int, int] | None = None, kv:
     ``skip``: modules left unquantized. ``tp``: online FP8 under tensor parallelism, where each rank of a
     row-parallel layer (o_proj, down_proj) quantizes its own slice of the input features (weights and activations
     per row *and* rank). A mixture of experts' stacked experts (``gate_up_proj`` (E, 2I, H), ``down_proj`` (E, H,
-    I)) are quantized per expert and row, weights only, as ``Fp8MoEMethod`` stores them."""
+    I)) are quantized weights only, per expert and row (online) or tile (block), as ``Fp8MoEMethod`` /
+    ``Fp8BlockMoEMethod`` store them."""
     from transformers import AutoModelForCausalLM
     kw = {"attn_implementation": _register_kv_attention()} if kv else {}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).eval()
     if weights is None:
         return model
     for m in model.modules():
-        # FP8 experts (weights="rows" only: block-FP8 MoE checkpoints are refused): each expert's rows quantized
-        # per output row, w2's per rank's slice of I under TP; the activations stay unquantized (weight-only)
-        if weights == "rows" and type(m).__name__.endswith("Experts"):
+        # FP8 experts, weight-only (the activations stay unquantized): online, each expert's rows quantized per
+        # output row (w2's per rank's slice of I under TP); block-FP8, each expert's projections per tile
+        if type(m).__name__.endswith("Experts"):
             with torch.no_grad():
-                m.gate_up_proj.copy_(fake_quant_rows(m.gate_up_proj))
-                m.down_proj.copy_(_fake_quant_parts(m.down_proj, tp))
+                for p in (m.gate_up_proj, m.down_proj):
+                    if weights == "rows":
+                        p.copy_(_fake_quant_parts(p, tp if p is m.down_proj else 1))
+                    else:
+                        p.copy_(torch.stack([fake_quant_blocks(w, weights) for w in p]))
     for name, m in model.named_modules():
         if not isinstance(m, torch.nn.Linear) or name.rsplit(".", 1)[-1] not in PROJECTIONS or name in skip:
             continue

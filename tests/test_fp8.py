@@ -235,16 +235,39 @@ def test_fp8_experts_triton_kernels_and_tensor_parallel(tiny_ckpt, refs):
     assert_same_tokens(ref_model, prompts, greedy(ref_model, prompts, MAX_NEW), out)
 
 
-def test_block_fp8_moe_checkpoint_is_refused(tiny_ckpt, tmp_path):
-    path = str(tmp_path / "moe-fp8")
-    shutil.copytree(tiny_ckpt("qwen3_moe"), path)
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                  "weight_block_size": [128, 128]}
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    with pytest.raises(ValueError, match="block-FP8 checkpoints .* of mixture-of-experts models are not supported"):
+def test_block_fp8_moe_checkpoint_loads_and_generates(tiny_ckpt, refs, tmp_path):
+    """A block-FP8 mixture of experts (the Qwen3-30B-A3B-FP8 layout: every expert's projections e4m3 with their
+    weight_scale_inv tiles, the router kept): the tokens of transformers fake-quantizing the same tiles, with the
+    torch backend and through the Triton kernels (CPU interpreter), and at TP=2 (the tiles follow the ranks)."""
+    from nanovllm import kernels
+    from nanovllm.layers.quantization.fp8 import Fp8BlockMoEMethod
+    src = tiny_ckpt("qwen3_moe")
+    path = write_block_fp8_checkpoint(src, str(tmp_path / "moe-fp8"), block=(16, 16))
+    prompts = make_prompts([1, 5, 17, 40], high=480)
+    llm = LLM(path, **CPU)
+    experts = llm.engine.runner.model.model.layers[1].mlp.experts
+    assert isinstance(experts.method, Fp8BlockMoEMethod) and experts.w13.dtype == torch.float8_e4m3fn
+    assert experts.w13_scale.shape == (8, 2 * 32 // 16, 64 // 16) and experts.w2_scale.shape == (8, 64 // 16, 2)
+    out = [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    llm.shutdown()
+    ref_model = refs(src, (16, 16))
+    assert_same_tokens(ref_model, prompts, greedy(ref_model, prompts, MAX_NEW), out)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    ref = [o[:4] for o in out]
+    llm = LLM(path, **CPU, attention_backend="triton", max_num_batched_tokens=32, kvcache_block_size=16)
+    assert llm.engine.runner.model.model.layers[1].mlp.experts.fused_moe is kernels.fused_moe
+    assert [o["token_ids"] for o in llm.generate(prompts[:3], params, use_tqdm=False)] == ref[:3]
+    llm.shutdown()
+    llm = LLM(path, **CPU, tensor_parallel_size=2, max_model_len=256, kvcache_block_size=16, num_kvcache_blocks=48,
+              max_num_seqs=8)
+    assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == out  # the same numerics
+    llm.shutdown()
+
+
+def test_block_fp8_moe_tiles_must_not_split(tiny_ckpt, tmp_path):
+    """Experts 32 wide cannot hold 64-wide tiles: refused by name, before any weight loads."""
+    path = write_block_fp8_checkpoint(tiny_ckpt("qwen3_moe"), str(tmp_path / "moe-fp8"), block=(64, 64))
+    with pytest.raises(ValueError, match=r"intermediate size per rank \(32 .* not a multiple .* \[64, 64\]"):
         LLM(path, **CPU)
 
 

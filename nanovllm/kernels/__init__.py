@@ -19,13 +19,15 @@ Public kernels (each mirrors a torch reference elsewhere in the package):
 * ``qkv_norm_rope_store(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps, k_cache, v_cache,
   slot_mapping, num_heads, num_kv_heads, head_dim, q_out=None)``          -> (T, H, D) q; k/v into the cache
   (QK-norm + RoPE + KV store in one launch; reference ``nanovllm.layers.fused_qkv_ref``)
-* ``fused_moe(x, router_logits, w13, w2, top_k, renormalize, out=None, *, config=None)`` -> (T, H) the
-  mixture-of-experts feed-forward (routing, expert-sorted layout, grouped GEMMs, combine; reference
-  ``nanovllm.layers.moe_ref.fused_moe_ref``); ``fused_moe_compile(w13, w2, top_k, renormalize)`` compiles every
-  kernel variant its tile table can pick for that weight shape
+* ``fused_moe(x, router_logits, w13, w2, top_k, renormalize, out=None, *, config=None, w13_scale=None,
+  w2_scale=None, block=None)`` -> (T, H) the mixture-of-experts feed-forward (routing, expert-sorted layout,
+  grouped GEMMs, combine; e4m3 experts with per-row or per-tile scales, weight-only; reference
+  ``nanovllm.layers.moe_ref.fused_moe_ref``); ``fused_moe_compile(w13, w2, top_k, renormalize, ...)`` compiles
+  every kernel variant its tile table can pick for that weight shape
 * ``per_token_quant_fp8(x)``, ``per_token_group_quant_fp8(x, group)``   -> (e4m3 q, float32 scales)
-* ``w8a8_gemm(xq, xs, wq, ws, out_dtype, block=None, bias=None, out=None)`` -> (M, N): scaled FP8 GEMM, row-wise or
-  block-wise scales (references in ``nanovllm.layers.quantization.fp8_ref``)
+* ``w8a8_gemm(xq, xs, wq, ws, out_dtype, block=None, bias=None, out=None, config=None)`` -> (M, N): scaled FP8
+  GEMM, row-wise or block-wise scales, a given tiling or the default (references in
+  ``nanovllm.layers.quantization.fp8_ref``)
 
 The KV-cache kernels (store, fused store, attention) also take an e4m3 cache with per-(token, head) scales.
 

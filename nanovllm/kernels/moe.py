@@ -33,7 +33,8 @@ FP8 = torch.float8_e4m3fn
 def _gate_up_kernel(X, W, WS, SORTED, BLOCK_EXPERT, BLOCK_ROWS, OUT, n_blocks, N, K,
                     stride_x, stride_we, stride_wn, stride_o,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
+                    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+                    SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr):
     pid = tl.program_id(0)
     blk = pid % n_blocks
     e = tl.load(BLOCK_EXPERT + blk)
@@ -52,6 +53,10 @@ def _gate_up_kernel(X, W, WS, SORTED, BLOCK_EXPERT, BLOCK_ROWS, OUT, n_blocks, N
     u_ptrs = g_ptrs + N * stride_wn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SCALE_BK > 0:  # WS (E, 2N / SCALE_BN, K / SCALE_BK): each tile's scale; the gate's rows, then the up's
+        kb = tl.cdiv(K, SCALE_BK)
+        sg_ptrs = WS + e.to(tl.int64) * (2 * N // SCALE_BN) * kb + (offs_n // SCALE_BN) * kb
+        su_ptrs = sg_ptrs + (N // SCALE_BN) * kb
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
@@ -66,12 +71,16 @@ def _gate_up_kernel(X, W, WS, SORTED, BLOCK_EXPERT, BLOCK_ROWS, OUT, n_blocks, N
             a = a.to(tl.float32)
         if UPCAST or FP8:  # e4m3 weights: converted exactly, scaled after the loop
             g, u = g.to(a.dtype), u.to(a.dtype)
-        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+        if SCALE_BK > 0:  # (BLOCK_K divides SCALE_BK: one scale per output in this k-tile)
+            acc_g += tl.dot(a, g, input_precision=PRECISION) * tl.load(sg_ptrs + k0 // SCALE_BK, mask=n_ok)[None, :]
+            acc_u += tl.dot(a, u, input_precision=PRECISION) * tl.load(su_ptrs + k0 // SCALE_BK, mask=n_ok)[None, :]
+        else:
+            acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    if FP8:  # WS (E, 2N) float32: each expert's per-row scales, [gate | up]
+    if FP8 and SCALE_BK == 0:  # WS (E, 2N) float32: each expert's per-row scales, [gate | up]
         ws = WS + e.to(tl.int64) * 2 * N + offs_n
         acc_g = acc_g * tl.load(ws, mask=n_ok, other=0.0)[None, :]
         acc_u = acc_u * tl.load(ws + N, mask=n_ok, other=0.0)[None, :]
@@ -84,7 +93,8 @@ def _gate_up_kernel(X, W, WS, SORTED, BLOCK_EXPERT, BLOCK_ROWS, OUT, n_blocks, N
 def _down_kernel(A, W, WS, SORTED, BLOCK_EXPERT, BLOCK_ROWS, TOPW, OUT, n_blocks, N, K,
                  stride_a, stride_we, stride_wn, stride_o,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SCALE_BN: tl.constexpr,
+                 SCALE_BK: tl.constexpr):
     pid = tl.program_id(0)
     blk = pid % n_blocks
     e = tl.load(BLOCK_EXPERT + blk)
@@ -100,6 +110,9 @@ def _down_kernel(A, W, WS, SORTED, BLOCK_EXPERT, BLOCK_ROWS, TOPW, OUT, n_blocks
     a_ptrs = A + rows[:, None] * stride_a + offs_k[None, :]
     w_ptrs = W + e.to(tl.int64) * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SCALE_BK > 0:  # WS (E, N / SCALE_BN, K / SCALE_BK)
+        kb = tl.cdiv(K, SCALE_BK)
+        s_ptrs = WS + e.to(tl.int64) * tl.cdiv(N, SCALE_BN) * kb + (offs_n // SCALE_BN) * kb
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
@@ -112,10 +125,13 @@ def _down_kernel(A, W, WS, SORTED, BLOCK_EXPERT, BLOCK_ROWS, TOPW, OUT, n_blocks
             a = a.to(tl.float32)
         if UPCAST or FP8:
             w = w.to(a.dtype)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        if SCALE_BK > 0:
+            acc += tl.dot(a, w, input_precision=PRECISION) * tl.load(s_ptrs + k0 // SCALE_BK, mask=n_ok)[None, :]
+        else:
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if FP8:  # WS (E, N) float32
+    if FP8 and SCALE_BK == 0:  # WS (E, N) float32
         acc = acc * tl.load(WS + e.to(tl.int64) * N + offs_n, mask=n_ok, other=0.0)[None, :]
     acc = acc * tl.load(TOPW + pair, mask=row_ok, other=0.0)[:, None]
     tl.store(OUT + pair[:, None] * stride_o + offs_n[None, :], acc.to(OUT.dtype.element_ty),
@@ -138,9 +154,16 @@ def _rows_contiguous(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be contiguous, got shape {tuple(t.shape)} strides {tuple(t.stride())}")
 
 
-def _check_operands(fn: str, a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None) -> None:
-    """a (rows, K) with contiguous rows and w (E, N, K) contiguous, one dtype; or w e4m3 with its float32 per-row
-    scales w_scale (E, N), contiguous."""
+def _scale_shape(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[int, ...]:
+    """The scales of e4m3 experts w (E, N, K): per row (E, N), or per (bn x bk) tile (E, N / bn, K / bk)."""
+    E, N, K = w.shape
+    return (E, N) if block is None else (E, -(-N // block[0]), -(-K // block[1]))
+
+
+def _check_operands(fn: str, a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None,
+                    block: tuple[int, int] | None = None) -> None:
+    """a (rows, K) with contiguous rows and w (E, N, K) contiguous, one dtype; or w e4m3 with its float32 scales
+    w_scale, contiguous: per row (E, N), or per `block` (bn, bk) tile (E, N / bn, K / bk)."""
     if a.dim() != 2 or w.dim() != 3 or a.shape[1] != w.shape[2] or (a.shape[1] > 1 and a.stride(1) != 1):
         raise ValueError(f"{fn}: want rows (n, K) with contiguous rows and weights (E, N, K), got {tuple(a.shape)} "
                          f"strides {tuple(a.stride())} and {tuple(w.shape)}")
@@ -148,58 +171,72 @@ def _check_operands(fn: str, a: torch.Tensor, w: torch.Tensor, w_scale: torch.Te
         raise ValueError(f"{fn}: float8_e4m3fn weights come with their scales (and only they), got {w.dtype} "
                          f"weights and {'no' if w_scale is None else 'some'} scales")
     if w_scale is not None:
-        if w_scale.dtype != torch.float32 or tuple(w_scale.shape) != tuple(w.shape[:2]) or not w_scale.is_contiguous():
-            raise ValueError(f"{fn}: weight scales must be contiguous float32 {tuple(w.shape[:2])}, got "
+        want = _scale_shape(w, block)
+        if w_scale.dtype != torch.float32 or tuple(w_scale.shape) != want or not w_scale.is_contiguous():
+            raise ValueError(f"{fn}: weight scales must be contiguous float32 {want}, got "
                              f"{w_scale.dtype} {tuple(w_scale.shape)}")
+        if block is not None and any(b < 16 or b & (b - 1) for b in block):
+            raise ValueError(f"{fn}: block sizes must be powers of two >= 16, got {block}")
         check_same_device(weights=w, weight_scales=w_scale)
     elif a.dtype != w.dtype:
         raise ValueError(f"{fn}: operands must share a dtype, got {a.dtype} and {w.dtype}")
     _rows_contiguous(f"{fn}: weights", w)
 
 
-def _launch_args(tile: GemmTile, dtype: torch.dtype, K: int, fp8: bool) -> dict:
+def _tile_args(tile: GemmTile, n: int, K: int, dtype: torch.dtype, w_scale, block) -> dict:
+    """The launch arguments of a grouped GEMM: the tile fitted to (n, K) (block-scaled: k-tiles within a weight
+    tile), the dtype flags and the weights' scaling (FP8: e4m3; SCALE_BN / SCALE_BK: the tile, 0 per row)."""
+    if block is not None:
+        tile = GemmTile(tile.block_n, min(tile.block_k, block[1]), tile.num_warps, tile.num_stages)
+    tile = tile.fit(n, K, torch.empty(0, dtype=dtype).element_size())
+    bn, bk = block if block is not None else (0, 0)
     return dict(BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=K % tile.block_k == 0, UPCAST=upcast_dots(dtype),
-                PRECISION=dot_precision(dtype), FP8=fp8, num_warps=tile.num_warps, num_stages=tile.num_stages)
+                PRECISION=dot_precision(dtype), FP8=w_scale is not None, SCALE_BN=bn, SCALE_BK=bk,
+                num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
 def moe_gate_up(x: torch.Tensor, w13: torch.Tensor, layout: MoELayout, top_k: int, tile: GemmTile,
-                w13_scale: torch.Tensor | None = None) -> torch.Tensor:
+                w13_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
     """(rows, I) silu(gate) * up of each layout row's token and expert (``gate_up_ref``; padding rows unwritten).
     x (T, H) with contiguous rows; w13 (E, 2I, H) contiguous, [gate | up] per expert, in x's dtype or e4m3 with
-    w13_scale (E, 2I) float32 (one scale per expert and row)."""
-    _check_operands("moe_gate_up", x, w13, w13_scale)
+    w13_scale float32: (E, 2I), one scale per expert and row, or with `block` (bn, bk) (E, 2I / bn, H / bk), one
+    per tile (a block-FP8 checkpoint's; I a multiple of bn)."""
+    _check_operands("moe_gate_up", x, w13, w13_scale, block)
     E, two_i, H = w13.shape
     inter = two_i // 2
-    tile = tile.fit(inter, H, x.element_size())
+    if block is not None and inter % block[0]:
+        raise ValueError(f"moe_gate_up: the gate and up projections ({inter} rows each) must be whole "
+                         f"{block[0]}-row tiles")
+    args = _tile_args(tile, inter, H, x.dtype, w13_scale, block)
     nb = layout.block_expert.numel()
     out = torch.empty(nb * layout.block_m, inter, dtype=x.dtype, device=x.device)
     if nb:
-        grid = (nb * triton.cdiv(inter, tile.block_n),)
+        grid = (nb * triton.cdiv(inter, args["BLOCK_N"]),)
         _gate_up_kernel[grid](x, w13, w13 if w13_scale is None else w13_scale, layout.sorted_ids,
                               layout.block_expert, layout.block_rows, out, nb, inter, H,
                               x.stride(0), w13.stride(0), w13.stride(1), out.stride(0), TOP_K=top_k,
-                              BLOCK_M=layout.block_m, **_launch_args(tile, x.dtype, H, w13_scale is not None))
+                              BLOCK_M=layout.block_m, **args)
     return out
 
 
 def moe_down(inter: torch.Tensor, w2: torch.Tensor, layout: MoELayout, weights: torch.Tensor,
-             tile: GemmTile, w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+             tile: GemmTile, w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None
+             ) -> torch.Tensor:
     """(T * top_k, H) weighted down projections, row t * top_k + j (``down_ref``). inter (rows, I) from
-    moe_gate_up; w2 (E, H, I) contiguous, in inter's dtype or e4m3 with w2_scale (E, H) float32; weights
-    (T, top_k) float32 contiguous."""
-    _check_operands("moe_down", inter, w2, w2_scale)
+    moe_gate_up; w2 (E, H, I) contiguous, in inter's dtype or e4m3 with w2_scale float32 (E, H), or with `block`
+    (E, H / bn, I / bk); weights (T, top_k) float32 contiguous."""
+    _check_operands("moe_down", inter, w2, w2_scale, block)
     if weights.dtype != torch.float32 or not weights.is_contiguous():
         raise ValueError(f"moe_down: weights must be contiguous float32, got {weights.dtype} {tuple(weights.stride())}")
     E, H, K = w2.shape
-    tile = tile.fit(H, K, inter.element_size())
+    args = _tile_args(tile, H, K, inter.dtype, w2_scale, block)
     nb = layout.block_expert.numel()
     out = torch.empty(weights.numel(), H, dtype=inter.dtype, device=inter.device)
     if nb:
-        grid = (nb * triton.cdiv(H, tile.block_n),)
+        grid = (nb * triton.cdiv(H, args["BLOCK_N"]),)
         _down_kernel[grid](inter, w2, w2 if w2_scale is None else w2_scale, layout.sorted_ids, layout.block_expert,
                            layout.block_rows, weights, out, nb, H, K, inter.stride(0), w2.stride(0), w2.stride(1),
-                           out.stride(0), BLOCK_M=layout.block_m,
-                           **_launch_args(tile, inter.dtype, K, w2_scale is not None))
+                           out.stride(0), BLOCK_M=layout.block_m, **args)
     return out
 
 
@@ -224,16 +261,20 @@ def moe_combine(pairs: torch.Tensor, top_k: int, out: torch.Tensor | None = None
 
 def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
               renormalize: bool, out: torch.Tensor | None = None, *, config: MoEConfig | None = None,
-              w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+              w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+              block: tuple[int, int] | None = None) -> torch.Tensor:
     """The mixture-of-experts feed-forward (T, H), as ``fused_moe_ref``: x (T, H); router_logits (T, E);
     w13 (E, 2I, H) and w2 (E, H, I) contiguous in x's dtype (I: this rank's slice: the result is then its partial
     sum), or e4m3 with their float32 per-row scales w13_scale (E, 2I) and w2_scale (E, H) (weight-only FP8: the
-    activations stay in x's dtype); into `out` ((T, H) contiguous, x's dtype) when given. config None: from the
-    table (moe_config)."""
+    activations stay in x's dtype), or with `block` (bn, bk) per-tile scales (E, 2I / bn, H / bk) and (E, H / bn,
+    I / bk) (a block-FP8 checkpoint's); into `out` ((T, H) contiguous, x's dtype) when given. config None: from
+    the table (moe_config)."""
     fn = "fused_moe"
     check_float(f"{fn}: x", x)
     if (w13_scale is None) != (w2_scale is None):
         raise ValueError(f"{fn}: w13_scale and w2_scale come together (FP8 experts) or not at all")
+    if block is not None and w13_scale is None:
+        raise ValueError(f"{fn}: block={block} describes FP8 experts' scales, and none were given")
     for name, t, sc in (("w13", w13, w13_scale), ("w2", w2, w2_scale)):
         if sc is None:
             check_float(f"{fn}: {name}", t)
@@ -264,17 +305,18 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
         config = moe_config(T, E, H, two_i // 2)
     weights, ids = moe_route(router_logits, top_k, renormalize)
     layout = moe_align(ids, E, config.block_m)
-    inter = moe_gate_up(x, w13, layout, top_k, config.gate_up, w13_scale)
-    return moe_combine(moe_down(inter, w2, layout, weights, config.down, w2_scale), top_k, out)
+    inter = moe_gate_up(x, w13, layout, top_k, config.gate_up, w13_scale, block)
+    return moe_combine(moe_down(inter, w2, layout, weights, config.down, w2_scale, block), top_k, out)
 
 
 def fused_moe_compile(w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool,
                       w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-                      dtype: torch.dtype | None = None) -> int:
+                      dtype: torch.dtype | None = None, block: tuple[int, int] | None = None) -> int:
     """Run the layer on one token with every config of its weight shape's table, so that each kernel variant a step
     can pick is compiled now (at start-up), not by the first step of its size mid-run; the first config alone
     (it compiles the kernels all share), the others side by side on CUDA (the compiler runs in subprocesses; the
-    CPU interpreter runs one launch at a time). FP8 experts: with their scales, for activations of `dtype`.
+    CPU interpreter runs one launch at a time). FP8 experts: with their scales (and `block`), for activations of
+    `dtype`.
     Returns how many configs."""
     from concurrent.futures import ThreadPoolExecutor
     E, two_i, H = w13.shape
@@ -284,7 +326,8 @@ def fused_moe_compile(w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormali
     logits = torch.zeros(1, E, dtype=dtype, device=w13.device)
 
     def run(cfg):
-        fused_moe(x, logits, w13, w2, top_k, renormalize, config=cfg, w13_scale=w13_scale, w2_scale=w2_scale)
+        fused_moe(x, logits, w13, w2, top_k, renormalize, config=cfg, w13_scale=w13_scale, w2_scale=w2_scale,
+                  block=block)
 
     run(configs[0])
     with ThreadPoolExecutor(max(1, len(configs) - 1) if w13.is_cuda else 1) as pool:

@@ -18,7 +18,8 @@ times the work of the kernels, which only the tests and small models see. `align
 they read the layout on the host (tests only).
 
 FP8 experts (``quantization="fp8"``): w13 / w2 in e4m3 with one float32 scale per expert and output row
-(``w13_scale`` (E, 2I), ``w2_scale`` (E, H)); every function here then multiplies by the dequantized weights
+(``w13_scale`` (E, 2I), ``w2_scale`` (E, H)), or a block-FP8 checkpoint's one per (bn x bk) tile (``block``:
+(E, 2I / bn, H / bk) and (E, H / bn, I / bk)); every function here then multiplies by the dequantized weights
 (``dequantize_experts``), the activations staying in the model's dtype.
 """
 from __future__ import annotations
@@ -87,16 +88,24 @@ def align_ref(ids: torch.Tensor, num_experts: int, block_m: int) -> MoELayout:
     return MoELayout(sorted_ids.to(dev), block_expert.to(dev), block_rows.to(dev), block_m)
 
 
-def dequantize_experts(w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """Stacked expert weights (E, N, K) as float32: e4m3 ones times their per-row scales (E, N)."""
-    return w.float() if scale is None else w.float() * scale.float()[..., None]
+def dequantize_experts(w: torch.Tensor, scale: torch.Tensor | None,
+                       block: tuple[int, int] | None = None) -> torch.Tensor:
+    """Stacked expert weights (..., N, K) as float32: e4m3 ones times their per-row scales (..., N), or with
+    `block` (bn, bk) their per-tile scales (..., N / bn, K / bk)."""
+    if scale is None:
+        return w.float()
+    if block is None:
+        return w.float() * scale.float()[..., None]
+    N, K = w.shape[-2:]
+    s = scale.float().repeat_interleave(block[0], dim=-2)[..., :N, :].repeat_interleave(block[1], dim=-1)
+    return w.float() * s[..., :K]
 
 
 def gate_up_ref(x: torch.Tensor, w13: torch.Tensor, layout: MoELayout, top_k: int,
-                w13_scale: torch.Tensor | None = None) -> torch.Tensor:
+                w13_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
     """The SiLU-and-mul of each layout row's expert: (rows, I) in x's dtype, padding rows 0.
-    x (T, H); w13 (E, 2I, H) laid out [gate | up] per expert (e4m3 with w13_scale (E, 2I))."""
-    w13 = dequantize_experts(w13, w13_scale)
+    x (T, H); w13 (E, 2I, H) laid out [gate | up] per expert (e4m3 with w13_scale, per row or `block`)."""
+    w13 = dequantize_experts(w13, w13_scale, block)
     inter = w13.shape[1] // 2
     out = torch.zeros(layout.sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
     rows = layout.row_mask().nonzero().flatten()
@@ -108,10 +117,11 @@ def gate_up_ref(x: torch.Tensor, w13: torch.Tensor, layout: MoELayout, top_k: in
 
 
 def down_ref(inter: torch.Tensor, w2: torch.Tensor, layout: MoELayout, weights: torch.Tensor,
-             w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+             w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
     """Each pair's weighted down projection: (T * top_k, H) in inter's dtype, row t * top_k + j.
-    inter (rows, I) from gate_up_ref; w2 (E, H, I) (e4m3 with w2_scale (E, H)); weights (T, top_k) float32."""
-    w2 = dequantize_experts(w2, w2_scale)
+    inter (rows, I) from gate_up_ref; w2 (E, H, I) (e4m3 with w2_scale, per row or `block`); weights (T, top_k)
+    float32."""
+    w2 = dequantize_experts(w2, w2_scale, block)
     n_pairs = weights.numel()
     out = torch.zeros(n_pairs, w2.shape[1], dtype=inter.dtype, device=inter.device)
     rows = layout.row_mask().nonzero().flatten()
@@ -133,19 +143,19 @@ def combine_ref(pairs: torch.Tensor, top_k: int) -> torch.Tensor:
 
 def fused_moe_ref(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                   renormalize: bool, out: torch.Tensor | None = None, *, w13_scale: torch.Tensor | None = None,
-                  w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
     """The mixture-of-experts feed-forward (T, H) of x (T, H) with router_logits (T, E), w13 (E, 2I, H) and
     w2 (E, H, I) (this rank's slice of I under tensor parallelism: the result is then this rank's partial sum;
-    FP8 experts: e4m3 with w13_scale (E, 2I) and w2_scale (E, H)); into `out` when given."""
+    FP8 experts: e4m3 with w13_scale (E, 2I) and w2_scale (E, H), or per `block` tile); into `out` when given."""
     weights, ids = route_ref(router_logits, top_k, renormalize)
     T, H = x.shape
     inter = w13.shape[1] // 2
     xf = x.float()
     rows = torch.zeros(T, top_k, H, dtype=torch.float32, device=x.device)  # (token, j) weighted outputs
     for e in range(w13.shape[0]):
-        gu = xf @ dequantize_experts(w13[e], None if w13_scale is None else w13_scale[e]).t()   # (T, 2I)
+        gu = xf @ dequantize_experts(w13[e], None if w13_scale is None else w13_scale[e], block).t()  # (T, 2I)
         h = (F.silu(gu[:, :inter]) * gu[:, inter:]).to(x.dtype).float()
-        y = h @ dequantize_experts(w2[e], None if w2_scale is None else w2_scale[e]).t()         # (T, H)
+        y = h @ dequantize_experts(w2[e], None if w2_scale is None else w2_scale[e], block).t()       # (T, H)
         weighted = (y[:, None, :] * weights[:, :, None]).to(x.dtype).float()      # (T, top_k, H)
         rows = torch.where((ids == e)[:, :, None], weighted, rows)
     acc = rows[:, 0]

@@ -188,7 +188,7 @@ class DecoderModel(nn.Module):
         return hidden
 
 
-_EXPERT_WEIGHT = re.compile(r"\.experts\.(\d+)\.([A-Za-z0-9_]+)\.weight$")
+_EXPERT_WEIGHT = re.compile(r"\.experts\.(\d+)\.([A-Za-z0-9_]+)\.weight(_scale_inv)?$")
 
 
 class DecoderForCausalLM(nn.Module):
@@ -213,13 +213,15 @@ class DecoderForCausalLM(nn.Module):
 
     def checkpoint_target(self, name: str) -> tuple[str, object]:
         """A checkpoint tensor's (parameter name, shard id): an expert's projection goes to the stacked ``w13`` /
-        ``w2`` of its layer with shard (expert, "gate" | "up" | "down"); the rest as packed_modules_mapping says."""
+        ``w2`` of its layer with shard (expert, "gate" | "up" | "down"), a block-FP8 checkpoint's tile scales
+        (``weight_scale_inv``) to ``w13_scale`` / ``w2_scale``; the rest as packed_modules_mapping says."""
         for old, new in self.variant.checkpoint_renames:
             name = name.replace(old, new)
         m = _EXPERT_WEIGHT.search(name)
         if m and m.group(2) in self.variant.expert_names:
             shard = ("gate", "up", "down")[self.variant.expert_names.index(m.group(2))]
-            return f"{name[:m.start()]}.experts.{'w2' if shard == 'down' else 'w13'}", (int(m.group(1)), shard)
+            param = ("w2" if shard == "down" else "w13") + ("_scale" if m.group(3) else "")
+            return f"{name[:m.start()]}.experts.{param}", (int(m.group(1)), shard)
         return packed_target(name, self.packed_modules_mapping)
 
     def compute_logits(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor:

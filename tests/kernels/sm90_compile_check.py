@@ -180,14 +180,19 @@ def check_moe(dt: str) -> None:
                                               BLOCK_B=moe_routing.SCAN_BLOCKS), num_warps=8)
     build(moe_routing._scatter_kernel, i32, dict(BLOCK_P=moe_routing.BLOCK_P), num_warps=4)
     build(moe._combine_kernel, {"P": f"*{dt}", "OUT": f"*{dt}"}, dict(TOP_K=8, BLOCK_H=1024), num_warps=4)
-    for fp8 in (False, True):  # FP8 experts: e4m3 weights, float32 per-row scales (WS), weight-only
+    # FP8 experts (weight-only): e4m3 weights with float32 scales (WS) per row, or per 128 x 128 tile (a block-FP8
+    # checkpoint's: k-tiles of at most 128)
+    for fp8, scale_block in ((False, 0), (True, 0), (True, 128)):
         w, ws = ("fp8e4nv", "fp32") if fp8 else (dt, dt)
         ptrs = {**i32, "X": f"*{dt}", "W": f"*{w}", "WS": f"*{ws}", "OUT": f"*{dt}", "A": f"*{dt}", "TOPW": "*fp32"}
         for cfg in dict.fromkeys(c for _, c in DEFAULT_BUCKETS):
             for fn, tile in ((moe._gate_up_kernel, cfg.gate_up.fit(768, 2048, DTYPES[dt].itemsize)),
                              (moe._down_kernel, cfg.down.fit(2048, 768, DTYPES[dt].itemsize))):
+                if scale_block:
+                    tile = tile.fit(tile.block_n, scale_block)
                 consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=True,
-                              UPCAST=False, PRECISION="ieee" if dt == "fp32" else None, FP8=fp8)
+                              UPCAST=False, PRECISION="ieee" if dt == "fp32" else None, FP8=fp8,
+                              SCALE_BN=scale_block, SCALE_BK=scale_block)
                 if fn is moe._gate_up_kernel:
                     consts["TOP_K"] = 8
                 build(fn, ptrs, consts, num_warps=tile.num_warps, num_stages=tile.num_stages)

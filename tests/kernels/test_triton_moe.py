@@ -185,6 +185,50 @@ def test_fp8_experts_match_reference(device, dtype, cfg):
     assert fused_moe_compile(w13, w2, k, True, s13, s2, dtype) == len(set(c for _, c in DEFAULT_BUCKETS))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cfg", [CONFIGS[0], MoEConfig(16, GemmTile(32, 64), GemmTile(16, 16))],
+                         ids=["k-tile = block", "k-tiles clamped / within a block"])
+def test_block_fp8_experts_match_reference(device, dtype, cfg):
+    """A block-FP8 checkpoint's experts (one scale per 32 x 32 tile; H=80: a partial last column of tiles):
+    each k-tile's products scaled by its tile's scale, against the reference on the dequantized experts."""
+    from nanovllm.layers.quantization import fp8_ref
+    T, E, k, H, inter, block = 29, 8, 2, 80, 64, (32, 32)
+    qs = []
+    for i, (n, kk) in enumerate(((2 * inter, H), (H, inter))):
+        w = _rand(E, n, kk, seed=7 + i, scale=0.1) * torch.logspace(-0.5, 0.5, kk)   # tiles of other scales
+        q, sc = zip(*(fp8_ref.quantize_blocks(we, block) for we in w))
+        qs += [torch.stack(q).to(device), torch.stack(sc).to(device)]
+    w13, s13, w2, s2 = qs
+    x = _rand(T, H, seed=1, dtype=dtype, device=device)
+    logits = _rand(T, E, seed=2, device=device).to(dtype)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    weights, ids = route_ref(logits, k, True)
+    layout = align_ref(ids, E, cfg.block_m)
+    real = layout.row_mask()
+    h = moe_gate_up(x, w13, _poisoned(layout), k, cfg.gate_up, s13, block)
+    h_ref = gate_up_ref(x, w13, layout, k, s13, block)
+    torch.testing.assert_close(h[real].float(), h_ref[real].float(), **tol)
+    pairs = moe_down(h_ref, w2, _poisoned(layout), weights, cfg.down, s2, block)
+    torch.testing.assert_close(pairs.float(), down_ref(h_ref, w2, layout, weights, s2, block).float(), **tol)
+    y = fused_moe(x, logits, w13, w2, k, True, config=cfg, w13_scale=s13, w2_scale=s2, block=block)
+    ref = fused_moe_ref(x, logits, w13, w2, k, True, w13_scale=s13, w2_scale=s2, block=block)
+    # float32: the kernel sums each k-tile's scaled partial product, the reference multiplies the dequantized
+    # weights at once; over both GEMMs that rounds apart by ~1e-4 of the output (1e-5 per step, above)
+    torch.testing.assert_close(y.float(), ref.float(), **(dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32
+                                                          else tol))
+    # the tiles' scales matter: per-row scales of their mean give another layer
+    rows = (s13.repeat_interleave(32, 1).mean(-1).contiguous(),
+            s2.repeat_interleave(32, 1)[:, :H].mean(-1).contiguous())
+    other = fused_moe_ref(x, logits, w13, w2, k, True, w13_scale=rows[0], w2_scale=rows[1])
+    assert not torch.allclose(ref.float(), other.float(), **tol)
+    with pytest.raises(ValueError, match="whole 32-row tiles"):
+        moe_gate_up(x, w13[:, :96].contiguous(), layout, k, cfg.gate_up, s13[:, :3].contiguous(), block)
+    with pytest.raises(ValueError, match=r"scales must be contiguous float32 \(8, 4, 3\)"):
+        moe_gate_up(x, w13, layout, k, cfg.gate_up, s13[:, :, :2].contiguous(), block)
+    with pytest.raises(ValueError, match="describes FP8 experts' scales"):
+        fused_moe(x, logits, w13.to(dtype), w2.to(dtype), k, True, block=block)
+
+
 def test_fp8_experts_reject_bad_scales(device):
     w13, s13, w2, s2 = _fp8_experts(4, 32, 16, device)
     x, lg = torch.zeros(3, 32, device=device), torch.zeros(3, 4, device=device)

@@ -12,7 +12,8 @@ The embeddings, norms and the LM head are never quantized (they are not linear l
 
 `QuantizationConfig` is the resolved choice (in `EngineConfig`); `QuantizationMethods` hands each layer its
 method by checkpoint name (`LayerContext.linear`), and every mixture-of-experts layer its experts' method
-(``moe_method``: online FP8 experts, weight-only, ``fp8.Fp8MoEMethod``).
+(``moe_method``: FP8 experts, weight-only: ``fp8.Fp8MoEMethod`` online, ``fp8.Fp8BlockMoEMethod`` from a
+block-FP8 checkpoint).
 """
 from __future__ import annotations
 
@@ -93,12 +94,12 @@ class QuantizationMethods:
             self.method = Fp8LinearMethod(use_kernels)
 
     def moe_method(self):
-        """The method of every mixture-of-experts layer: online FP8 experts (``fp8.Fp8MoEMethod``). A block-FP8
-        checkpoint's experts are refused (ValueError): their block-scaled expert GEMMs are not implemented."""
-        from nanovllm.layers.quantization.fp8 import Fp8MoEMethod
+        """The method of every mixture-of-experts layer's experts: online FP8 (``fp8.Fp8MoEMethod``: quantized
+        per expert and row when loaded) or a block-FP8 checkpoint's tiles (``fp8.Fp8BlockMoEMethod``); both
+        weight-only."""
+        from nanovllm.layers.quantization.fp8 import Fp8BlockMoEMethod, Fp8MoEMethod
         if self.config.checkpoint:
-            raise ValueError("block-FP8 checkpoints (quant_method 'fp8') of mixture-of-experts models are not "
-                             "supported yet; load the bf16 checkpoint with quantization='fp8' instead")
+            return Fp8BlockMoEMethod(self.config.weight_block_size)
         return Fp8MoEMethod()
 
     def linear_method(self, prefix: str):

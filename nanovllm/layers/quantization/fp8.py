@@ -122,6 +122,76 @@ class Fp8MoEMethod(UnquantizedMoEMethod):
                                w13_scale=layer.w13_scale, w2_scale=layer.w2_scale)
 
 
+class Fp8BlockMoEMethod:
+    """A block-FP8 checkpoint's experts (Qwen3-30B-A3B-FP8): e4m3 ``w13`` (E, 2I, H) / ``w2`` (E, H, I) as stored
+    and each projection's ``weight_scale_inv`` tiles stacked beside them, ``w13_scale`` (E, 2I / bn, H / bk)
+    ([gate | up] tiles) and ``w2_scale`` (E, H / bn, I / bk), float32. Weight-only, as ``Fp8MoEMethod``: the
+    grouped GEMMs scale each k-tile's products by their tile's scale. This rank's slice of I must fall on whole
+    tiles (ValueError otherwise, naming the sizes)."""
+
+    def __init__(self, block: tuple[int, int]):
+        self.block = tuple(block)
+        self._compiled: set = set()
+
+    def create_weights(self, layer):
+        E, H, inter = layer.num_experts, layer.hidden_size, layer.intermediate_size
+        bn, bk = self.block
+        self.dtype = torch.get_default_dtype()  # the model's (built under it): the activations
+        if inter % bn or inter % bk:
+            raise ValueError(f"the experts' intermediate size per rank ({inter} = moe_intermediate_size / "
+                             f"tensor_parallel_size {layer.tp.size}) is not a multiple of the checkpoint's "
+                             f"weight_block_size {list(self.block)}: its tiles would be split between ranks")
+        shapes = {"w13": (2 * inter, H), "w2": (H, inter)}
+        for name, shards in (("w13", ("gate", "up")), ("w2", ("down",))):
+            n, k = shapes[name]
+            ids = frozenset((e, s) for e in range(E) for s in shards)
+            w = nn.Parameter(torch.empty(E, n, k, dtype=FP8_DTYPE), requires_grad=False)
+            w.weight_loader, w.shard_ids, w.dummy_init = _fp8_expert_loader(layer), ids, _dummy_fp8
+            sc = nn.Parameter(torch.empty(E, -(-n // bn), -(-k // bk), dtype=torch.float32), requires_grad=False)
+            sc.weight_loader, sc.shard_ids, sc.dummy_init = self._scale_loader(layer), ids, _dummy_scale
+            setattr(layer, name, w)
+            setattr(layer, f"{name}_scale", sc)
+
+    def _scale_loader(self, layer):
+        """One expert projection's checkpoint tiles (rows of tiles x columns of tiles) into this rank's slice of
+        the stacked scales: gate / up rows I / bn each, down's columns I / bk, cut like the weights."""
+        bn, bk = self.block
+        inter, H, r = layer.intermediate_size, layer.hidden_size, layer.tp.rank
+        full = inter * layer.tp.size
+
+        def load(param, loaded, shard_id):
+            e, which = shard_id
+            want = (-(-H // bn), full // bk) if which == "down" else (full // bn, -(-H // bk))
+            if tuple(loaded.shape) != want:
+                raise ValueError(f"expert {e} {which} scales of shape {tuple(loaded.shape)}, want {want} "
+                                 f"(weight_block_size {list(self.block)})")
+            if which == "down":
+                param.data[e].copy_(loaded.narrow(1, r * inter // bk, inter // bk))
+            else:
+                n = inter // bn
+                param.data[e].narrow(0, 0 if which == "gate" else n, n).copy_(loaded.narrow(0, r * n, n))
+        return load
+
+    def process_weights_after_loading(self, layer):
+        key = (tuple(layer.w13.shape), layer.w13.device, layer.top_k, layer.renormalize)
+        if layer.fused_moe_compile is not None and layer.w13.is_cuda and key not in self._compiled:
+            self._compiled.add(key)
+            layer.fused_moe_compile(layer.w13, layer.w2, layer.top_k, layer.renormalize, layer.w13_scale,
+                                    layer.w2_scale, self.dtype, self.block)
+
+    def apply(self, layer, x, router_logits, out=None):
+        return layer.fused_moe(x, router_logits, layer.w13, layer.w2, layer.top_k, layer.renormalize, out=out,
+                               w13_scale=layer.w13_scale, w2_scale=layer.w2_scale, block=self.block)
+
+
+def _fp8_expert_loader(layer):
+    def load(param, loaded, shard_id):
+        if loaded.dtype != FP8_DTYPE:
+            raise ValueError(f"the fp8 checkpoint format stores expert weights as float8_e4m3fn, found {loaded.dtype}")
+        layer.weight_loader(param, loaded, shard_id)
+    return load
+
+
 def _fp8_weight_loader(layer: LinearBase):
     def load(param, loaded, shard_id=None):
         if loaded.dtype != FP8_DTYPE:
