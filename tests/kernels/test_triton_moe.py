@@ -154,6 +154,25 @@ def _fp8_experts(E, H, inter, device, seed=5):
     return out
 
 
+def _check_fp8_layer(x, logits, k, cfg, w13, s13, w2, s2, block, layer_tol=None):
+    """The FP8 experts' grouped GEMMs step by step and the whole layer against the references on the dequantized
+    experts (bf16 / float32 tolerances by x's dtype; `layer_tol` for the layer if looser); returns the reference
+    layer output."""
+    tol = dict(atol=1e-5, rtol=1e-5) if x.dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    weights, ids = route_ref(logits, k, True)
+    layout = align_ref(ids, w13.shape[0], cfg.block_m)
+    real = layout.row_mask()
+    h = moe_gate_up(x, w13, _poisoned(layout), k, cfg.gate_up, s13, block)
+    h_ref = gate_up_ref(x, w13, layout, k, s13, block)
+    torch.testing.assert_close(h[real].float(), h_ref[real].float(), **tol)
+    pairs = moe_down(h_ref, w2, _poisoned(layout), weights, cfg.down, s2, block)
+    torch.testing.assert_close(pairs.float(), down_ref(h_ref, w2, layout, weights, s2, block).float(), **tol)
+    y = fused_moe(x, logits, w13, w2, k, True, config=cfg, w13_scale=s13, w2_scale=s2, block=block)
+    ref = fused_moe_ref(x, logits, w13, w2, k, True, w13_scale=s13, w2_scale=s2, block=block)
+    torch.testing.assert_close(y.float(), ref.float(), **(layer_tol or tol))
+    return ref
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cfg", CONFIGS[:2], ids=lambda c: f"m{c.block_m}")
 def test_fp8_experts_match_reference(device, dtype, cfg):
@@ -163,22 +182,12 @@ def test_fp8_experts_match_reference(device, dtype, cfg):
     w13, s13, w2, s2 = _fp8_experts(E, H, inter, device)
     x = _rand(T, H, seed=1, dtype=dtype, device=device)
     logits = _rand(T, E, seed=2, device=device).to(dtype)
+    ref = _check_fp8_layer(x, logits, k, cfg, w13, s13, w2, s2, None)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
-    weights, ids = route_ref(logits, k, True)
-    layout = align_ref(ids, E, cfg.block_m)
-    real = layout.row_mask()
-    h = moe_gate_up(x, w13, _poisoned(layout), k, cfg.gate_up, s13)
-    h_ref = gate_up_ref(x, w13, layout, k, s13)
-    torch.testing.assert_close(h[real].float(), h_ref[real].float(), **tol)
-    # the scales matter: without them the product is off by their size (~1e-3 here)
-    assert not torch.allclose(h_ref[real].float(), gate_up_ref(x, dequantize_experts(w13, None).to(dtype), layout,
-                                                               k)[real].float(), **tol)
-    pairs = moe_down(h_ref, w2, _poisoned(layout), weights, cfg.down, s2)
-    torch.testing.assert_close(pairs.float(), down_ref(h_ref, w2, layout, weights, s2).float(), **tol)
-    y = fused_moe(x, logits, w13, w2, k, True, config=cfg, w13_scale=s13, w2_scale=s2)
-    ref = fused_moe_ref(x, logits, w13, w2, k, True, w13_scale=s13, w2_scale=s2)
-    torch.testing.assert_close(y.float(), ref.float(), **tol)
-    # the reference on the dequantized experts is the unquantized layer
+    # the scales matter (the product without them is off by their size, ~1e-3 here); on the dequantized experts
+    # the reference is the unquantized layer
+    assert not torch.allclose(ref.float(), fused_moe_ref(x, logits, w13.to(dtype), w2.to(dtype), k, True).float(),
+                              **tol)
     deq = fused_moe_ref(x, logits, dequantize_experts(w13, s13).to(dtype), dequantize_experts(w2, s2).to(dtype),
                         k, True)
     torch.testing.assert_close(ref.float(), deq.float(), **tol)
@@ -201,26 +210,17 @@ def test_block_fp8_experts_match_reference(device, dtype, cfg):
     w13, s13, w2, s2 = qs
     x = _rand(T, H, seed=1, dtype=dtype, device=device)
     logits = _rand(T, E, seed=2, device=device).to(dtype)
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
-    weights, ids = route_ref(logits, k, True)
-    layout = align_ref(ids, E, cfg.block_m)
-    real = layout.row_mask()
-    h = moe_gate_up(x, w13, _poisoned(layout), k, cfg.gate_up, s13, block)
-    h_ref = gate_up_ref(x, w13, layout, k, s13, block)
-    torch.testing.assert_close(h[real].float(), h_ref[real].float(), **tol)
-    pairs = moe_down(h_ref, w2, _poisoned(layout), weights, cfg.down, s2, block)
-    torch.testing.assert_close(pairs.float(), down_ref(h_ref, w2, layout, weights, s2, block).float(), **tol)
-    y = fused_moe(x, logits, w13, w2, k, True, config=cfg, w13_scale=s13, w2_scale=s2, block=block)
-    ref = fused_moe_ref(x, logits, w13, w2, k, True, w13_scale=s13, w2_scale=s2, block=block)
     # float32: the kernel sums each k-tile's scaled partial product, the reference multiplies the dequantized
-    # weights at once; over both GEMMs that rounds apart by ~1e-4 of the output (1e-5 per step, above)
-    torch.testing.assert_close(y.float(), ref.float(), **(dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32
-                                                          else tol))
+    # weights at once; over both GEMMs that rounds apart by ~1e-4 of the output (1e-5 per step)
+    ref = _check_fp8_layer(x, logits, k, cfg, w13, s13, w2, s2, block,
+                           dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else None)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
     # the tiles' scales matter: per-row scales of their mean give another layer
     rows = (s13.repeat_interleave(32, 1).mean(-1).contiguous(),
             s2.repeat_interleave(32, 1)[:, :H].mean(-1).contiguous())
     other = fused_moe_ref(x, logits, w13, w2, k, True, w13_scale=rows[0], w2_scale=rows[1])
     assert not torch.allclose(ref.float(), other.float(), **tol)
+    layout = align_ref(route_ref(logits, k, True)[1], E, cfg.block_m)
     with pytest.raises(ValueError, match="whole 32-row tiles"):
         moe_gate_up(x, w13[:, :96].contiguous(), layout, k, cfg.gate_up, s13[:, :3].contiguous(), block)
     with pytest.raises(ValueError, match=r"scales must be contiguous float32 \(8, 4, 3\)"):
