@@ -6,7 +6,7 @@
   TP=1 and TP=2 expert widths (relative error bound; the same routing, bit for bit);
 * under CUDA-graph capture and replay at decode sizes: a replay with new inputs and a different routing gives
   the eager call's bits (nothing about the routing is fixed at capture);
-* FP8 experts (e4m3 with per-row scales) against the reference on the dequantized experts, full size;
+* FP8 experts (e4m3 with per-row or per-tile scales) against the reference on the dequantized experts, full size;
 * its peak memory does not depend on the routing (what the KV-sizing pass measures holds for every step);
 * the engine (Triton + CUDA graphs) against the torch backend (eager) in bf16 on a small Qwen3-MoE trained on
   the copy task (benchmarks/train_tiny.py --arch qwen3_moe): greedy agreement bound.
@@ -54,25 +54,36 @@ def test_full_size_matches_reference(T, tp):
     assert rel < 1e-2 and worst < 2e-2
 
 
+def _quantized(w: torch.Tensor, block):
+    """Stacked experts (E, N, K) as Fp8MoEMethod (per row, block None) or a block-FP8 checkpoint stores them."""
+    from nanovllm.layers.quantization import fp8_ref
+    E_, N, K_ = w.shape
+    if block is None:
+        q, s = fp8_ref.quantize_rows(w.reshape(E_ * N, K_))
+        return q.view(E_, N, K_), s.view(E_, N)
+    q, s = zip(*(fp8_ref.quantize_blocks(we, block) for we in w))
+    return torch.stack(q), torch.stack(s)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("block", [None, (128, 128)], ids=["per row", "128 x 128 tiles"])
 @pytest.mark.parametrize("T", [1, 64, 256, 4096])
-def test_fp8_experts_full_size_match_reference(T):
-    """FP8 experts (``quantization="fp8"``: e4m3, one scale per expert and row, weight-only) at Qwen3-30B-A3B's
-    shapes: the Triton layer against the reference on the dequantized experts, and how far FP8 moves the layer
-    from bf16 (printed; ~3% of its norm is e4m3's rounding)."""
+def test_fp8_experts_full_size_match_reference(T, block):
+    """FP8 experts (weight-only: ``quantization="fp8"``'s one scale per expert and row, or a block-FP8
+    checkpoint's 128 x 128 tiles) at Qwen3-30B-A3B's shapes: the Triton layer against the reference on the
+    dequantized experts, and how far FP8 moves the layer from bf16 (printed; a few % of its norm is e4m3's
+    rounding)."""
     from nanovllm.kernels.moe import fused_moe
     from nanovllm.layers.moe_ref import fused_moe_ref
-    from nanovllm.layers.quantization import fp8_ref
     x, logits, w13, w2 = _layer(T, INTER, seed=T + 11)
-    q13, s13 = fp8_ref.quantize_rows(w13.view(E * 2 * INTER, H))
-    q2, s2 = fp8_ref.quantize_rows(w2.view(E * H, INTER))
-    q13, s13, q2, s2 = q13.view(E, 2 * INTER, H), s13.view(E, -1), q2.view(E, H, INTER), s2.view(E, -1)
-    y = fused_moe(x, logits, q13, q2, K, True, w13_scale=s13, w2_scale=s2)
-    ref = fused_moe_ref(x, logits, q13, q2, K, True, w13_scale=s13, w2_scale=s2)
+    (q13, s13), (q2, s2) = _quantized(w13, block), _quantized(w2, block)
+    y = fused_moe(x, logits, q13, q2, K, True, w13_scale=s13, w2_scale=s2, block=block)
+    ref = fused_moe_ref(x, logits, q13, q2, K, True, w13_scale=s13, w2_scale=s2, block=block)
     rel = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
     bf16 = fused_moe_ref(x, logits, w13, w2, K, True)
     moved = ((ref.float() - bf16.float()).norm() / bf16.float().norm()).item()
-    print(f"\nT={T} FP8 experts: relative error vs reference {rel:.2e}; FP8 vs bf16 {moved:.2e}")
+    print(f"\nT={T} FP8 experts ({block or 'per row'}): relative error vs reference {rel:.2e}; FP8 vs bf16 "
+          f"{moved:.2e}")
     assert rel < 1e-2 and moved < 0.1
 
 
