@@ -1,7 +1,8 @@
-"""Mixture-of-experts models: greedy tokens identical to transformers (float32, CPU) under every scheduling regime
-the dense models are tested in (tests/test_parity.py), on tiny random Qwen3-MoE (one dense layer, one sparse),
-Qwen2-MoE (a shared expert, no renormalization) and Mixtral checkpoints; the Triton MoE kernels in the engine
-under the interpreter; the expert weights' loading, config checks and the MoE weight count."""
+"""Mixture-of-experts models: greedy tokens identical to transformers (float32, CPU) on tiny random Qwen3-MoE (one
+dense layer, one sparse), Qwen2-MoE (a shared expert, no renormalization) and Mixtral checkpoints, by default and
+with prefix hits here; chunked prefill, preemption and text prompts run in tests/test_parity.py over the MoE
+architectures too; the Triton MoE kernels in the engine under the interpreter; the expert weights' loading, config
+checks and the MoE weight count."""
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ import torch
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import ModelConfig
 from tests.conftest import make_prompts
-from tests.test_parity import GREEDY, MAX_NEW, _check
+from tests.test_parity import _check
 
 MOE_ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral"]
 
@@ -29,33 +30,6 @@ def test_default_settings(arch, tiny_ckpt, hf_greedy):
     assert all(o["finish_reason"] == "length" for o in outs)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_chunked_prefill(arch, tiny_ckpt, hf_greedy):
-    path = tiny_ckpt(arch)
-    llm = LLM(path, device="cpu", max_num_batched_tokens=48, kvcache_block_size=32)
-    seen = []
-    real = llm.engine.scheduler.schedule
-
-    def spy():
-        out = real()
-        seen.append([(s.num_computed_tokens, n, s.num_tokens) for s, n in zip(out.seqs, out.num_new_tokens)])
-        return out
-
-    llm.engine.scheduler.schedule = spy
-    _check(llm, path, make_prompts(), hf_greedy)
-    assert any(c > 0 and c + n < t for step in seen for c, n, t in step)       # a prompt split into chunks
-    assert any(len({n == 1 for _, n, _ in step}) == 2 for step in seen)        # a chunk mixed with decodes
-
-
-def test_preemption(tiny_ckpt, hf_greedy):
-    path = tiny_ckpt("qwen3_moe")
-    llm = LLM(path, device="cpu", kvcache_block_size=16, num_kvcache_blocks=34, max_model_len=512)
-    _check(llm, path, make_prompts(), hf_greedy)
-    assert llm.engine.scheduler.num_preemptions > 0
-    bm = llm.engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
-
-
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
 def test_prefix_cache_hits(arch, tiny_ckpt, hf_greedy):
     path = tiny_ckpt(arch)
@@ -65,19 +39,6 @@ def test_prefix_cache_hits(arch, tiny_ckpt, hf_greedy):
     hits = llm.engine.block_manager.prefix_hits
     _check(llm, path, prompts[::-1], hf_greedy)
     assert llm.engine.block_manager.prefix_hits - hits == sum(len(p) > 16 for p in prompts)
-
-
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_string_prompts(arch, tiny_ckpt, hf_greedy):
-    path = tiny_ckpt(arch)
-    llm = LLM(path, device="cpu")
-    texts = ["Hello, Nano-vLLM.", "The quick brown fox jumps over the lazy dog. " * 5, "a", "Once upon a time"]
-    outs = llm.generate(texts, GREEDY, use_tqdm=False)
-    prompts = [llm.tokenizer.encode(t) for t in texts]
-    for o, p, r in zip(outs, prompts, hf_greedy(path, prompts, MAX_NEW)):
-        assert o["prompt_token_ids"] == p
-        assert o["token_ids"] == r
-        assert o["text"] == llm.tokenizer.decode(r, skip_special_tokens=True)
 
 
 def test_triton_moe_kernels_in_the_engine(tiny_ckpt, hf_greedy):

@@ -1,4 +1,5 @@
-"""Greedy tokens identical to transformers (float32, CPU) under every scheduling regime."""
+"""Greedy tokens identical to transformers (float32, CPU) under every scheduling regime, on the dense tiny
+checkpoints and (chunked prefill, preemption, text prompts) the mixture-of-experts ones."""
 from __future__ import annotations
 
 import json
@@ -34,7 +35,7 @@ def test_default_settings(arch, tiny_ckpt, hf_greedy):
     assert bm.num_free_blocks == bm.num_blocks
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_moe", "mixtral"])
 def test_chunked_prefill(arch, tiny_ckpt, hf_greedy):
     path = tiny_ckpt(arch)
     llm = LLM(path, device="cpu", max_num_batched_tokens=48, kvcache_block_size=32)
@@ -54,8 +55,9 @@ def test_chunked_prefill(arch, tiny_ckpt, hf_greedy):
     assert any(len({n == 1 for _, n, _ in step}) == 2 for step in seen)
 
 
-def test_preemption(tiny_ckpt, hf_greedy):
-    path = tiny_ckpt("qwen3")
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_preemption(arch, tiny_ckpt, hf_greedy):
+    path = tiny_ckpt(arch)
     # 34 blocks of 16 tokens: room for a couple of long sequences at a time
     llm = LLM(path, device="cpu", kvcache_block_size=16, num_kvcache_blocks=34, max_model_len=512)
     _check(llm, path, make_prompts(), hf_greedy)
@@ -115,7 +117,7 @@ def test_shared_prefixes(tiny_ckpt, hf_greedy):
     assert llm.engine.block_manager.prefix_hits - hits >= len(prompts) - 1
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_moe", "mixtral"])
 def test_string_prompts(arch, tiny_ckpt, hf_greedy):
     path = tiny_ckpt(arch)
     llm = LLM(path, device="cpu")
