@@ -358,16 +358,24 @@ def test_prefill_variants_match_reference(device, config, monkeypatch):
     three launch orders) on the boundaries of causal block skipping: the unmasked loop's end falls before, on and
     after KV-tile and block boundaries; chunks over cached prefixes; padding and decode rows. The TMA path is
     taken exactly when the config asks (block_size 32 is a multiple of every block_n here)."""
+    batch = make_batch(VARIANT_SPECS, 4, 2, 32, 32, torch.float32, device, seed=config.block_m + config.block_n)
+    check_variant(monkeypatch, config, lambda: run_prefill(batch, 0.3, config), reference(batch, 0.3))
+
+
+def check_variant(monkeypatch, config, run, ref):
+    """`run()`, a varlen prefill with `config` over VARIANT_SPECS, with the TMA descriptors watched: it takes the
+    TMA path exactly when the config asks, writes no NaN, matches `ref` and gives the seq_len-0 row zeros.
+    Returns its output."""
     from nanovllm.kernels import prefill_attention as attention
     used = []
     real = attention._kv_descriptors
     monkeypatch.setattr(attention, "_kv_descriptors", lambda *a: used.append(real(*a)) or used[-1])
-    batch = make_batch(VARIANT_SPECS, 4, 2, 32, 32, torch.float32, device, seed=config.block_m + config.block_n)
-    out = run_prefill(batch, 0.3, config)
+    out = run()
     assert (used[0] is not None) == config.tma
     assert not out.isnan().any()
-    torch.testing.assert_close(out, reference(batch, 0.3), **TOL[torch.float32])
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
     assert (out[0] == 0).all()  # seq_len 0 -> zeros
+    return out
 
 
 @pytest.mark.parametrize("H,Hkv,D,dtype", [

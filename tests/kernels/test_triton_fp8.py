@@ -18,7 +18,7 @@ from nanovllm.kernels.prefill_config import TileConfig
 from nanovllm.layers.fused_qkv_ref import qkv_norm_rope_store_ref
 from nanovllm.layers.quantization import fp8_ref
 from nanovllm.layers.rotary import RotaryEmbedding
-from tests.kernels.test_triton_attention import DECODE, MIXED, TOL, VARIANT_SPECS, VARIANTS, make_batch
+from tests.kernels.test_triton_attention import DECODE, MIXED, TOL, VARIANT_SPECS, VARIANTS, check_variant, make_batch
 
 FP8 = torch.float8_e4m3fn
 
@@ -271,16 +271,8 @@ def test_prefill_variants_fp8_cache(device, config, monkeypatch):
     boundaries of causal block skipping (test_triton_attention's VARIANT_SPECS): the TMA ones through a descriptor
     over the e4m3 cache (scales through pointers) exactly when the config asks; each matches the reference and
     the same config's pointer twin bit for bit (the two paths differ in how the bytes arrive, not in arithmetic)."""
-    from nanovllm.kernels import prefill_attention as attention
-    used = []
-    real = attention._kv_descriptors
-    monkeypatch.setattr(attention, "_kv_descriptors", lambda *a: used.append(real(*a)) or used[-1])
     batch = _fp8_batch(VARIANT_SPECS, 4, 2, 32, 32, torch.float32, device, seed=config.block_m + config.block_n)
-    out = _fp8_prefill(batch, 0.3, config)
-    assert (used[0] is not None) == config.tma
-    assert not out.isnan().any()
-    torch.testing.assert_close(out, _fp8_reference(batch, 0.3), **TOL[torch.float32])
-    assert (out[0] == 0).all()  # seq_len 0 -> zeros
+    out = check_variant(monkeypatch, config, lambda: _fp8_prefill(batch, 0.3, config), _fp8_reference(batch, 0.3))
     if config.tma:
         assert torch.equal(out, _fp8_prefill(batch, 0.3, replace(config, tma=False)))
 
