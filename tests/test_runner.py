@@ -45,6 +45,43 @@ def test_banned_tokens_without_room_in_the_staging_layout(tiny_ckpt):
     assert t.temperatures.tolist() == [0.0, 0.0]  # (the views themselves, zeros here)
 
 
+def runner_after_a_step(tiny_ckpt, prompts: list[list[int]], first: int | None = None):
+    """The Triton runner of a tiny Qwen3 on the CPU interpreter (16-token blocks, 256-token budget and length), a
+    scheduler of its own over its KV blocks, and greedy sequences of `prompts` of which the first `first` (all by
+    default) have run one step, their sampled tokens in place. Returns (runner, scheduler, sequences); the rest
+    are the caller's to add."""
+    from nanovllm.engine.batch import build_step_batch
+    from nanovllm.engine.block_manager import BlockManager
+    from nanovllm.engine.scheduler import Scheduler
+    from nanovllm.engine.sequence import Sequence
+    from nanovllm.sampling_params import SamplingParams
+    llm = LLM(tiny_ckpt("qwen3"), device="cpu", dtype="float32", attention_backend="triton", kvcache_block_size=16,
+              max_num_batched_tokens=256, max_model_len=256)
+    runner = llm.engine.runner
+    sched = Scheduler(BlockManager(runner.num_kvcache_blocks, 16, False), 8, 256)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    seqs = [Sequence(i, str(i), p, greedy, 8, frozenset(), 0) for i, p in enumerate(prompts)]
+    for s in seqs[:first]:
+        sched.add(s)
+    step = sched.schedule()
+    tokens = runner.execute(build_step_batch(step, 16)).token_ids
+    for (s, _), t in zip(sched.on_step_done(step), tokens):
+        s.token_ids[-1] = t
+    return runner, sched, seqs
+
+
+def eager_step(runner, batch):
+    """Run `batch` eagerly; returns (the logits its sampler saw, the step's result)."""
+    eager = []
+    sampler = runner.sampler
+    runner.sampler = lambda lg, t: (eager.append(lg.clone()), sampler(lg, t))[1]
+    try:
+        result = runner.execute(batch)
+    finally:
+        runner.sampler = sampler
+    return eager[0], result
+
+
 @pytest.mark.parametrize("rows", [128, 1024])
 def test_mixed_graph_forward_matches_the_eager_step(tiny_ckpt, monkeypatch, rows):
     """What a mixed-step CUDA graph runs (`_mixed_forward` over a padded layout: decode rows through the decode
@@ -59,23 +96,8 @@ def test_mixed_graph_forward_matches_the_eager_step(tiny_ckpt, monkeypatch, rows
     import torch
 
     from nanovllm.engine.batch import build_step_batch
-    from nanovllm.engine.block_manager import BlockManager
-    from nanovllm.engine.scheduler import Scheduler
-    from nanovllm.engine.sequence import Sequence
     from nanovllm.engine.step_inputs import Layout
-    from nanovllm.sampling_params import SamplingParams
-    llm = LLM(tiny_ckpt("qwen3"), device="cpu", dtype="float32", attention_backend="triton", kvcache_block_size=16,
-              max_num_batched_tokens=256, max_model_len=256)
-    runner = llm.engine.runner
-    sched = Scheduler(BlockManager(runner.num_kvcache_blocks, 16, False), 8, 256)
-    greedy = SamplingParams(temperature=0.0, max_tokens=8)
-    seqs = [Sequence(i, str(i), list(range(3 + 7 * i, 40 + 9 * i)), greedy, 8, frozenset(), 0) for i in range(3)]
-    for s in seqs[:2]:
-        sched.add(s)
-    first = sched.schedule()
-    tokens = runner.execute(build_step_batch(first, 16)).token_ids
-    for (s, _), t in zip(sched.on_step_done(first), tokens):
-        s.token_ids[-1] = t
+    runner, sched, seqs = runner_after_a_step(tiny_ckpt, [list(range(3 + 7 * i, 40 + 9 * i)) for i in range(3)], 2)
     sched.add(seqs[2])
     out = sched.schedule()                                   # two decode rows, then a 56-token chunk
     assert out.num_new_tokens[:2] == [1, 1] and out.num_new_tokens[2] > 1
@@ -103,12 +125,9 @@ def test_mixed_graph_forward_matches_the_eager_step(tiny_ckpt, monkeypatch, rows
     runner.graphs = None
     assert set(persistent) == {rows <= 512}
     graph_variants, variants[:] = set(variants), []
-    eager = []
-    sampler = runner.sampler
-    runner.sampler = lambda lg, t: (eager.append(lg.clone()), sampler(lg, t))[1]  # the eager step's logits
-    tokens = runner.execute(batch).token_ids
-    torch.testing.assert_close(logits, eager[0], atol=1e-4, rtol=1e-4)
-    assert logits.argmax(-1).tolist() == tokens
+    eager, result = eager_step(runner, batch)
+    torch.testing.assert_close(logits, eager, atol=1e-4, rtol=1e-4)
+    assert logits.argmax(-1).tolist() == result.token_ids
     assert set(variants) == graph_variants == {(1, True, True)}
 
 

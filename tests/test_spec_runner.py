@@ -9,15 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nanovllm import LLM
 from nanovllm.config import SpeculativeConfig
 from nanovllm.engine.batch import build_step_batch
-from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.cuda_graphs import CUDAGraphs
-from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_inputs import Layout
-from nanovllm.sampling_params import SamplingParams
+from tests.test_runner import eager_step, runner_after_a_step
 
 SPEC = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
 
@@ -44,18 +40,7 @@ def test_step_graph_forward_of_a_verification_step_matches_eager(tiny_ckpt):
     verifying sequences' 1 + k query rows through the varlen kernel, 20 logits rows for 3 sequences), run without
     the graph on the CPU interpreter: the eager step's logits and tokens."""
     pytest.importorskip("triton")
-    llm = LLM(tiny_ckpt("qwen3"), device="cpu", dtype="float32", attention_backend="triton", kvcache_block_size=16,
-              max_num_batched_tokens=256, max_model_len=256)
-    runner = llm.engine.runner
-    sched = Scheduler(BlockManager(runner.num_kvcache_blocks, 16, False), 8, 256)
-    greedy = SamplingParams(temperature=0.0, max_tokens=8)
-    seqs = [Sequence(i, str(i), list(range(3 + 7 * i, 12 + 9 * i)), greedy, 8, frozenset(), 0) for i in range(3)]
-    for s in seqs:
-        sched.add(s)
-    first = sched.schedule()
-    tokens = runner.execute(build_step_batch(first, 16)).token_ids
-    for (s, _), t in zip(sched.on_step_done(first), tokens):
-        s.token_ids[-1] = t
+    runner, sched, seqs = runner_after_a_step(tiny_ckpt, [list(range(3 + 7 * i, 12 + 9 * i)) for i in range(3)])
     seqs[1].draft_ids, seqs[2].draft_ids = [5, 6, 7], [8, 9]
     out = sched.schedule()                                   # one decode row, then 1 + 3 and 1 + 2 query rows
     assert out.num_new_tokens == [1, 4, 3] and out.num_drafts == [0, 3, 2] and out.num_decode == 1
@@ -66,11 +51,8 @@ def test_step_graph_forward_of_a_verification_step_matches_eager(tiny_ckpt):
     v = runner.staging.upload(batch, Layout.make(128, 4, width, 20))   # S = 20 > B = 4 rows of logits
     logits = runner.model.compute_logits(runner._step_forward(v, 128, 4)[:batch.num_logits])
     runner.graphs = None
-    eager = []
-    sampler = runner.sampler
-    runner.sampler = lambda lg, t: (eager.append(lg.clone()), sampler(lg, t))[1]  # the eager step's logits
-    result = runner.execute(batch)
-    torch.testing.assert_close(logits, eager[0], atol=1e-4, rtol=1e-4)
+    eager, result = eager_step(runner, batch)
+    torch.testing.assert_close(logits, eager, atol=1e-4, rtol=1e-4)
     assert logits.argmax(-1).tolist() == result.token_ids
     # the accepted counts are the leading runs of (sample == draft)
     want = []
