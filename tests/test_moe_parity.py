@@ -148,3 +148,24 @@ def test_qwen3_30b_a3b_config():
     assert c.matmul_params() - experts == 48 * (2048 * 40 * 128 + 4096 * 2048 + 128 * 2048) + 151936 * 2048
     with open(os.path.join(path, "config.json")) as f:
         assert json.load(f)["architectures"] == ["Qwen3MoeForCausalLM"]
+
+
+def test_expert_kernels_compile_once_per_shape():
+    """What a MoE method asks `fused_moe_compile` for on CUDA (no GPU here: a stand-in layer): once per weight
+    shape and activation dtype, with a quantized method's scales, in arguments the real function takes."""
+    import inspect
+    from types import SimpleNamespace
+
+    from nanovllm.kernels.moe import fused_moe_compile
+    from nanovllm.layers.moe import UnquantizedMoEMethod
+    calls = []
+    w = SimpleNamespace(shape=(8, 64, 32), device="cuda:0", is_cuda=True)
+    layer = SimpleNamespace(w13=w, w2=w, top_k=2, renormalize=True,
+                            fused_moe_compile=lambda *a, **k: calls.append((a, k)))
+    method = UnquantizedMoEMethod()
+    for dtype in (torch.bfloat16, torch.bfloat16, torch.float16):
+        method.compile_kernels(layer, dtype, w13_scale="s13", w2_scale="s2", block=(128, 128))
+    assert [k["dtype"] for _, k in calls] == [torch.bfloat16, torch.float16]
+    args, kwargs = calls[0]
+    bound = inspect.signature(fused_moe_compile).bind(*args, **kwargs).arguments
+    assert bound["w13_scale"] == "s13" and bound["w2_scale"] == "s2" and bound["block"] == (128, 128)

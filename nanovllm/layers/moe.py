@@ -53,12 +53,16 @@ class UnquantizedMoEMethod:
             p.shard_ids = frozenset((e, s) for e in range(E) for s in shards)
 
     def process_weights_after_loading(self, layer):
-        """On CUDA, compile every kernel variant a step may pick for these weights (Triton), once per shape: none
-        is then compiled mid-run by the first step of its size."""
-        key = (tuple(layer.w13.shape), layer.w13.dtype, layer.w13.device, layer.top_k, layer.renormalize)
+        self.compile_kernels(layer, layer.w13.dtype)
+
+    def compile_kernels(self, layer, dtype: torch.dtype, **scales) -> None:
+        """On CUDA, compile every kernel variant a step may pick for the layer's experts (Triton; activations of
+        `dtype`; `scales`: a quantized method's ``w13_scale`` / ``w2_scale`` / ``block``), once per shape: none is
+        then compiled mid-run by the first step of its size."""
+        key = (tuple(layer.w13.shape), dtype, layer.w13.device, layer.top_k, layer.renormalize)
         if layer.fused_moe_compile is not None and layer.w13.is_cuda and key not in self._compiled:
             self._compiled.add(key)
-            layer.fused_moe_compile(layer.w13, layer.w2, layer.top_k, layer.renormalize)
+            layer.fused_moe_compile(layer.w13, layer.w2, layer.top_k, layer.renormalize, dtype=dtype, **scales)
 
     def apply(self, layer, x, router_logits, out=None):
         return layer.fused_moe(x, router_logits, layer.w13, layer.w2, layer.top_k, layer.renormalize, out=out)

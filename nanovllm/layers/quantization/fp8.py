@@ -111,18 +111,14 @@ class Fp8MoEMethod(UnquantizedMoEMethod):
             q, s = fp8_ref.quantize_rows(w.data.reshape(E * N, K))
             setattr(layer, name, nn.Parameter(q.view(E, N, K), requires_grad=False))
             setattr(layer, f"{name}_scale", nn.Parameter(s.view(E, N), requires_grad=False))
-        key = (tuple(layer.w13.shape), dtype, layer.w13.device, layer.top_k, layer.renormalize)
-        if layer.fused_moe_compile is not None and layer.w13.is_cuda and key not in self._compiled:
-            self._compiled.add(key)
-            layer.fused_moe_compile(layer.w13, layer.w2, layer.top_k, layer.renormalize, layer.w13_scale,
-                                    layer.w2_scale, dtype)
+        self.compile_kernels(layer, dtype, w13_scale=layer.w13_scale, w2_scale=layer.w2_scale)
 
     def apply(self, layer, x, router_logits, out=None):
         return layer.fused_moe(x, router_logits, layer.w13, layer.w2, layer.top_k, layer.renormalize, out=out,
                                w13_scale=layer.w13_scale, w2_scale=layer.w2_scale)
 
 
-class Fp8BlockMoEMethod:
+class Fp8BlockMoEMethod(UnquantizedMoEMethod):
     """A block-FP8 checkpoint's experts (Qwen3-30B-A3B-FP8): e4m3 ``w13`` (E, 2I, H) / ``w2`` (E, H, I) as stored
     and each projection's ``weight_scale_inv`` tiles stacked beside them, ``w13_scale`` (E, 2I / bn, H / bk)
     ([gate | up] tiles) and ``w2_scale`` (E, H / bn, I / bk), float32. Weight-only, as ``Fp8MoEMethod``: the
@@ -130,8 +126,8 @@ class Fp8BlockMoEMethod:
     tiles (ValueError otherwise, naming the sizes)."""
 
     def __init__(self, block: tuple[int, int]):
+        super().__init__()
         self.block = tuple(block)
-        self._compiled: set = set()
 
     def create_weights(self, layer):
         E, H, inter = layer.num_experts, layer.hidden_size, layer.intermediate_size
@@ -173,11 +169,7 @@ class Fp8BlockMoEMethod:
         return load
 
     def process_weights_after_loading(self, layer):
-        key = (tuple(layer.w13.shape), layer.w13.device, layer.top_k, layer.renormalize)
-        if layer.fused_moe_compile is not None and layer.w13.is_cuda and key not in self._compiled:
-            self._compiled.add(key)
-            layer.fused_moe_compile(layer.w13, layer.w2, layer.top_k, layer.renormalize, layer.w13_scale,
-                                    layer.w2_scale, self.dtype, self.block)
+        self.compile_kernels(layer, self.dtype, w13_scale=layer.w13_scale, w2_scale=layer.w2_scale, block=self.block)
 
     def apply(self, layer, x, router_logits, out=None):
         return layer.fused_moe(x, router_logits, layer.w13, layer.w2, layer.top_k, layer.renormalize, out=out,
