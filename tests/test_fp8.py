@@ -271,6 +271,24 @@ def test_block_fp8_moe_tiles_must_not_split(tiny_ckpt, tmp_path):
         LLM(path, **CPU)
 
 
+def test_block_fp8_moe_checkpoint_errors(tiny_ckpt, tmp_path):
+    """An expert weight stored unquantized, or tile scales of the wrong shape: a ValueError naming the tensor."""
+    from safetensors.torch import load_file, save_file
+    good = write_block_fp8_checkpoint(tiny_ckpt("qwen3_moe"), str(tmp_path / "good"), block=(16, 16))
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    for case, change in (("bf16", lambda t: {name: t[name].float()}),
+                         ("scales", lambda t: {name + "_scale_inv": t[name + "_scale_inv"][:1]})):
+        path = str(tmp_path / case)
+        shutil.copytree(good, path)
+        tensors = load_file(os.path.join(path, "model.safetensors"))
+        tensors.update(change(tensors))
+        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        match = "stores expert weights as float8_e4m3fn" if case == "bf16" else r"expert 3 up scales of shape \(1, 4\)"
+        with pytest.raises(ValueError, match=match) as e:
+            LLM(path, **CPU)
+        assert name in str(e.value)
+
+
 # --- block-FP8 checkpoints ---------------------------------------------------------------------------------------
 
 def test_block_fp8_checkpoint_loads_and_generates(block_ckpt, refs):
