@@ -3,6 +3,7 @@
     python3 benchmarks/kernel_bench.py attention            # the varlen prefill kernel beside torch SDPA (and FA3)
     python3 benchmarks/kernel_bench.py attention --sweep    # + every candidate tile config, the best per shape
     python3 benchmarks/kernel_bench.py attention --kv-cache-dtype fp8 [--sweep]   # ours over an e4m3 KV cache
+    python3 benchmarks/kernel_bench.py decode [--sweep]     # decode attention over bf16 and e4m3 caches
     python3 benchmarks/kernel_bench.py moe [--tp 1] [--tokens 1 8 256 ...] [--layers 4] [--fp8] [--json moe.json]
 
 attention: causal bf16 prefill attention, head_dim 128, 32 query / 8 KV heads (Qwen3-8B, Llama-3-8B) and 16 / 8
@@ -21,6 +22,11 @@ never wins). Takes about 3-4 minutes on an H200, most of it compiling (one compi
 --kv-cache-dtype fp8: our cache holds e4m3 K/V with per-(token, head) scales (as the engine's with
 kv_cache_dtype="fp8"); SDPA and FA3 get the dequantized values in bf16, so the check still compares like with like
 (the table has no FP8 key: its printed entries say what the bf16 ones would be if measured on an e4m3 cache).
+
+decode: the decode kernel (``paged_decode_attention``) at 256 sequences of 100-2,048 tokens (uniform, seeded),
+32 / 8, 32 / 4 and 16 / 8 heads (Qwen3-8B, Qwen3-30B-A3B, Qwen3-0.6B), over a bf16 cache and an e4m3 one with
+per-(token, head) scales; microseconds, achieved TB/s over the bytes read, and the error against
+``paged_attention_ref``. --sweep times every (BLOCK_N, num_warps, num_stages) launch and prints the best.
 
 moe: the fused mixture-of-experts layer (``nanovllm.kernels.moe``) at Qwen3-30B-A3B's shapes (hidden 2048, 128
 experts, top-8, expert width 768 / tp) in bf16, random weights (N(0, 0.02), the router too). For each token count
@@ -431,7 +437,94 @@ def moe(argv: list[str]) -> None:
             json.dump(res, f, indent=1)
 
 
-COMMANDS = {"attention": attention, "moe": moe}
+class DecodeCase:
+    """decode: a decode step's attention: B sequences of one query each over contexts uniform in [lo, hi], K/V in the
+    engine's paged cache (blocks of 256 tokens in random order), bf16 or e4m3 with per-(token, head) scales."""
+
+    def __init__(self, B: int, lo: int, hi: int, H: int, Hkv: int, D: int, kv_fp8: bool, seed: int = 0):
+        from nanovllm.attention.torch_ref import quantize_kv_ref
+        g = torch.Generator().manual_seed(seed)
+        self.lens = torch.randint(lo, hi + 1, (B,), generator=g, dtype=torch.int32)
+        self.H, self.Hkv, self.D, self.kv_fp8 = H, Hkv, D, kv_fp8
+        nblk = (self.lens + BLOCK - 1) // BLOCK
+        total = int(nblk.sum())
+        perm = torch.randperm(total, generator=g).int()
+        self.bt = torch.full((B, int(nblk.max())), -1, dtype=torch.int32)
+        i = 0
+        for b, n in enumerate(nblk.tolist()):
+            self.bt[b, :n] = perm[i:i + n]
+            i += n
+        dev = "cuda"
+        k = torch.randn(total * BLOCK, Hkv, D, device=dev, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        self.scales = (None, None)
+        if kv_fp8:
+            (k, ks), (v, vs) = quantize_kv_ref(k), quantize_kv_ref(v)
+            self.scales = (ks.view(total, BLOCK, Hkv), vs.view(total, BLOCK, Hkv))
+        self.k_cache, self.v_cache = k.view(total, BLOCK, Hkv, D), v.view(total, BLOCK, Hkv, D)
+        self.bt, self.lens = self.bt.to(dev), self.lens.to(dev)
+        self.q = torch.randn(B, H, D, device=dev, dtype=torch.bfloat16)
+        self.out = torch.empty_like(self.q)
+        tokens = int(self.lens.sum())
+        self.bytes = tokens * Hkv * (2 * D * k.element_size() + (8 if kv_fp8 else 0))
+
+    def run(self, **kw):
+        from nanovllm.kernels.decode_attention import paged_decode_attention
+        ks, vs = self.scales
+        return lambda: paged_decode_attention(self.q, self.k_cache, self.v_cache, self.lens, self.bt,
+                                              self.D ** -0.5, out=self.out, k_scales=ks, v_scales=vs, **kw)
+
+    def reference(self) -> torch.Tensor:
+        from nanovllm.attention.torch_ref import paged_attention_ref
+        B = self.q.shape[0]
+        cu = torch.arange(B + 1, dtype=torch.int32, device=self.q.device)
+        ks, vs = self.scales
+        q = self.q.float() if self.kv_fp8 else self.q
+        return paged_attention_ref(q, self.k_cache, self.v_cache, cu, self.lens, self.bt,
+                                   self.D ** -0.5, 1, k_scales=ks, v_scales=vs)
+
+
+def decode(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="kernel_bench.py decode", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--ctx", default="100-2048", help="context lengths, uniform in lo-hi")
+    ap.add_argument("--heads", default="32/8,32/4,16/8", help="query/KV heads, comma-separated (head_dim 128)")
+    ap.add_argument("--sweep", action="store_true", help="every (BLOCK_N, num_warps, num_stages) launch too")
+    ns = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("kernel_bench.py decode needs a CUDA GPU")
+    lo, hi = map(int, ns.ctx.split("-"))
+    launches = [None]
+    if ns.sweep:
+        launches += [(bn, w, s) for bn in (64, 128, 256) for w in (1, 2, 4, 8) for s in (1, 2, 3, 4)]
+    print(f"{torch.cuda.get_device_name()}: decode attention, {ns.batch} sequences of {lo}-{hi} tokens, "
+          f"head_dim 128; TB/s counts the K/V (and scale) bytes read once")
+    for hh in ns.heads.split(","):
+        H, Hkv = map(int, hh.split("/"))
+        for fp8 in (False, True):
+            case = DecodeCase(ns.batch, lo, hi, H, Hkv, 128, fp8)
+            ref = case.reference().float()
+            best = None
+            for launch in launches:
+                name = f"{H}/{Hkv} {'e4m3' if fp8 else 'bf16'} {str(launch or 'default'):14s}"
+                try:
+                    fn = case.run(launch=launch)
+                    fn()
+                    err = ((case.out.float() - ref).abs().max() / ref.abs().max()).item()
+                    us = _time(fn) * 1e3
+                except Exception as e:  # a launch that fails to compile or run loses, the sweep goes on
+                    print(f"{name} failed: {type(e).__name__}")
+                    continue
+                if launch is not None and (best is None or us < best[0]):
+                    best = (us, launch)
+                print(f"{name} {us:8.1f} us {case.bytes / us / 1e6:6.2f} TB/s  rel err {err:.1e}", flush=True)
+            if best:
+                print(f"{H}/{Hkv} {'e4m3' if fp8 else 'bf16'} best: {best[1]} {best[0]:.1f} us")
+            del case, ref
+            torch.cuda.empty_cache()
+
+COMMANDS = {"attention": attention, "moe": moe, "decode": decode}
 
 
 

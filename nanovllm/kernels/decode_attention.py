@@ -134,12 +134,13 @@ def _decode_block_n(D: int, dtype=torch.bfloat16) -> int:
     return 64 if D <= 128 and dtype != torch.float32 else 32
 
 
-def _decode_launch(D: int, dtype) -> tuple[int, int, int]:
+def _decode_launch(D: int, dtype, fp8: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of the decode kernel: the best of a sweep on an H200 for head_dim <= 128
-    in half precision (RESULTS run 7); over an e4m3 cache too (128 or 64 keys at 4 warps tie, 8 warps are
-    10-20% slower end to end: Qwen3-8B FP8, 2026-12-01)."""
+    in half precision (RESULTS run 7). Over an e4m3 cache, 128 keys at 2 warps and 2 stages: 1.12x the 4-warp
+    launch at 256 sequences (`kernel_bench.py decode --sweep`, 2026-12-01; a program's converted float16 tiles
+    take 208 registers a thread at 4 warps, which leaves two programs an SM)."""
     if D <= 128 and dtype != torch.float32:
-        return 128, 4, 3
+        return (128, 2, 2) if fp8 else (128, 4, 3)
     return _decode_block_n(D, dtype), 4, 2
 
 
@@ -168,7 +169,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, scale: float, out: torch.Tensor | None = None, *,
                            num_splits: int | None = None, workspace: torch.Tensor | None = None,
                            order: torch.Tensor | None = None, skip_empty: bool = False,
-                           k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> torch.Tensor:
+                           k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+                           launch: tuple[int, int, int] | None = None) -> torch.Tensor:
     """One query per sequence at position seq_len - 1 (``paged_attention_ref`` with cu_seqlens_q = arange(B+1)).
 
     Args:
@@ -183,6 +185,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         order: optional (B,) int permutation of 0..B-1: the order in which sequences are launched (not checked on
             the device: anything else leaves rows unwritten). Longest first balances the GPU's tail: the programs
             of long sequences start early and short ones fill the gaps. Results don't depend on it.
+        launch: (BLOCK_N, num_warps, num_stages) instead of the measured default (benchmarks' sweeps).
         skip_empty: leave the rows of sequences with seq_len 0 untouched instead of writing zeros (another kernel
             may be writing them at the same time: a mixed step's varlen half).
     CUDA-graph safe: no host sync, launch sizes and allocations depend on shapes only.
@@ -206,7 +209,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"{fn}: num_splits must be >= 1, got {num_splits}")
     G = H // Hkv
     BLOCK_G = max(16, next_pow2(G))  # tl.dot needs M >= 16; padded rows are masked
-    BLOCK_N, warps, stages = _decode_launch(D, q.dtype)
+    if launch is None:
+        launch = _decode_launch(D, q.dtype, fp8)
+    BLOCK_N, warps, stages = (int(x) for x in launch)
+    if BLOCK_N < 16 or BLOCK_N & (BLOCK_N - 1) or warps not in (1, 2, 4, 8) or stages < 1:
+        raise ValueError(f"{fn}: launch must be (BLOCK_N: a power of two >= 16, num_warps: 1, 2, 4 or 8, "
+                         f"num_stages >= 1), got {launch}")
     prec = dot_precision(q.dtype)
     common = dict(G=G, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, HEAD_DIM=D, BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
                   PREC=prec, UPCAST=upcast_dots(q.dtype), USE_ORDER=order is not None,

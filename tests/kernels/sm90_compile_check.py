@@ -130,13 +130,14 @@ def check(dt: str) -> None:
         g_pad = triton.next_power_of_2(G)
         prefill_variant(prefill.tile_config(D, g_pad, mq, dtype), D, G, bs, dt, prec)
         for splits, fp8 in itertools.product((1, 8), (False, True)):
+            block_n, warps, stages = decode._decode_launch(D, dtype, fp8)
             build(decode._decode_kernel, {"Q": f"*{dt}", "Out": f"*{dt}", **cache_types(dt, fp8), "PART_O": "*fp32",
                                           "PART_LSE": "*fp32", "SEQ_LENS": "*i32", "ORDER": "*i32", "BT": "*i32",
                                           "qk_scale": "fp32"},
-                  dict(G=G, BLOCK_G=max(16, g_pad), BLOCK_N=decode._decode_block_n(D, dtype), HEAD_DIM=D,
+                  dict(G=G, BLOCK_G=max(16, g_pad), BLOCK_N=block_n, HEAD_DIM=D,
                        BLOCK_SIZE=bs, SPLIT=splits > 1, PREC=prec, UPCAST=False,
                        USE_ORDER=splits == 1, SKIP_EMPTY=splits == 8, FP8=fp8),
-                  num_warps=4, num_stages=2)
+                  num_warps=warps, num_stages=stages)
         build(decode._decode_reduce_kernel, {"PART_O": "*fp32", "PART_LSE": "*fp32", "Out": f"*{dt}"},
               dict(SPLITS_PAD=32, HEAD_DIM=D, SKIP_EMPTY=True), num_warps=4)
     for fp8 in (False, True):

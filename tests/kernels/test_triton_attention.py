@@ -262,6 +262,19 @@ def test_decode_launch_order(device, num_splits):
         paged_decode_attention(*args, order=order.float().to(batch["q"].device))
 
 
+@pytest.mark.parametrize("launch", [(16, 2, 2), (32, 1, 1), (64, 8, 3)])
+def test_decode_launch_override(device, launch):
+    # a (BLOCK_N, num_warps, num_stages) launch from a benchmark's sweep changes the tiling, not the result;
+    # anything else is a ValueError naming it
+    batch = make_batch(DECODE, 4, 2, 32, 16, torch.float32, device, seed=8)
+    args = (batch["q"], batch["k_cache"], batch["v_cache"], batch["seq_lens"], batch["block_tables"], 0.3)
+    torch.testing.assert_close(paged_decode_attention(*args, launch=launch), reference(batch, 0.3),
+                               **TOL[torch.float32])
+    for bad in [(24, 4, 2), (64, 3, 2), (64, 4, 0)]:
+        with pytest.raises(ValueError, match="launch"):
+            paged_decode_attention(*args, launch=bad)
+
+
 def test_decode_many_splits_and_workspace(device):
     # more splits than some sequences have tiles (empty splits), a caller-provided (oversized) workspace
     batch = make_batch(DECODE, 4, 2, 32, 16, torch.float32, device, seed=5, strided=True)
