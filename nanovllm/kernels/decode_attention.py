@@ -138,7 +138,8 @@ def _decode_launch(D: int, dtype, fp8: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of the decode kernel: the best of a sweep on an H200 for head_dim <= 128
     in half precision (RESULTS run 7). Over an e4m3 cache, 128 keys at 2 warps and 2 stages: 1.12x the 4-warp
     launch at 256 sequences (`kernel_bench.py decode --sweep`, 2026-12-01; a program's converted float16 tiles
-    take 208 registers a thread at 4 warps, which leaves two programs an SM)."""
+    take 208 registers a thread at 4 warps, which leaves two programs an SM; at 2 warps the split-KV variant
+    spills 8 bytes, sm90_compile_check)."""
     if D <= 128 and dtype != torch.float32:
         return (128, 2, 2) if fp8 else (128, 4, 3)
     return _decode_block_n(D, dtype), 4, 2
