@@ -171,3 +171,70 @@ def test_late_masks_apply_in_the_logits_dtype():
         assert torch.isfinite(x[1]).nonzero().flatten().tolist() == [1, 2]
         assert torch.isfinite(x[3]).nonzero().flatten().tolist() == [64, 67]
         assert got[1] in (1, 2) and got[3] in (64, 67)
+
+
+class _FakeBatch:
+    """A stand-in for xgrammar's BatchGrammarMatcher: records its fills, each costing `cost` on the fake clock."""
+
+    def __init__(self, threads, log, clock, cost):
+        self.threads, self.log, self.clock, self.cost = threads, log, clock, cost
+
+    def batch_fill_next_token_bitmask(self, matchers, mask):
+        self.log.append(self.threads)
+        self.clock[0] += self.cost[self.threads] * len(matchers)
+
+
+def _chooser(cost, threads=4):
+    from types import SimpleNamespace
+
+    from nanovllm.engine.structured import FillChooser
+    log, clock = [], [0.0]
+    xgr = SimpleNamespace(BatchGrammarMatcher=lambda t: _FakeBatch(t, log, clock, cost))
+    return FillChooser(xgr, threads=threads, threads_from=1e-3, probe_every=8, clock=lambda: clock[0]), log
+
+
+def test_fill_chooser_stays_on_one_thread_for_cheap_fills():
+    fc, log = _chooser({1: 1e-6, 4: 1e-7})      # 16 rows: 16 us a fill, under threads_from
+    for _ in range(20):
+        fc.fill([None] * 16, None)
+    assert log == [1] * 20
+    one, log = _chooser({1: 1e-3}, threads=1)   # one thread allowed: one mode, however slow
+    for _ in range(3):
+        one.fill([None] * 16, None)
+    assert log == [1] * 3 and one.choice(16) == 0
+
+
+@pytest.mark.parametrize("faster", [1, 4])
+def test_fill_chooser_times_both_modes_for_costly_fills(faster):
+    """Fills over threads_from: each mode timed, the faster per row fills, the other timed again every probe_every
+    fills (and taken over once it has become the faster)."""
+    slower = 5 - faster
+    cost = {faster: 1e-4, slower: 3e-4}          # 16 rows: 1.6 / 4.8 ms a fill
+    fc, log = _chooser(cost)
+    for _ in range(24):
+        fc.fill([None] * 16, None)
+    assert log[:2] == [1, 4]                                       # both timed first
+    assert [i for i, t in enumerate(log[2:], 2) if t == slower] == [8, 16]   # then probed every 8 fills
+    cost[faster], cost[slower] = cost[slower], cost[faster]       # the other mode becomes the faster one
+    log.clear()
+    for _ in range(16):
+        fc.fill([None] * 16, None)
+    assert log[-4:] == [slower] * 4                                # taken over after its probe
+
+
+def test_fill_modes_give_the_same_masks(llm):
+    """One thread or two, xgrammar's masks are the same (the chooser only picks the faster)."""
+    import xgrammar as xgr
+
+    from nanovllm.engine.structured import FillChooser
+    so = llm.engine.structured
+    fc = FillChooser(xgr, threads=2, threads_from=0.0)  # every fill "costly": both modes run
+    specs = [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(regex=REGEX)]
+    matchers = [so.matcher(so.compile(s)) for s in specs for _ in range(3)]
+    masks = []
+    for _ in range(2):
+        mask = xgr.allocate_token_bitmask(len(matchers), so.num_tokens)
+        fc.fill(matchers, mask)
+        masks.append(mask)
+    assert fc._cost[0] is not None and fc._cost[1] is not None   # both modes ran
+    assert torch.equal(masks[0], masks[1]) and masks[0].any()

@@ -11,8 +11,9 @@ a constrained sequence still decodes every step. Without async scheduling the sa
 JSON is compiled compact (no free whitespace between tokens): a model, or noise, cannot stall in whitespace.
 
 Host cost per step (256 rows, see `bench_sampling_features.py --host-only`): one `batch_accept_token` (serial in
-xgrammar) and one `batch_fill_next_token_bitmask` (xgrammar's threads) over the constrained rows. Two choices keep
-it small:
+xgrammar) and one `batch_fill_next_token_bitmask` over the constrained rows, on one thread or xgrammar's threads,
+whichever is faster for the grammars at hand (`FillChooser`: starting the threads costs more than a cheap fill).
+Two more choices keep it small:
 - The grammar's vocabulary is the tokenizer's ids, not the model's padded vocabulary (`num_tokens`): xgrammar
   treats every id without text as a special token, and its accept_token costs time linear in their number (the
   built-in tiny tokenizer has 483 ids; padded to Qwen's 151,936 that is 151,453 special ids and ~25 us per token
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections import OrderedDict
 
 import torch
@@ -88,6 +90,44 @@ def check_spec(spec: StructuredOutputsParams) -> None:
         raise _spec_error(kind, e) from None
 
 
+class FillChooser:
+    """Which of xgrammar's batch matchers fills a step's masks: one thread, or `threads` of them.
+
+    xgrammar starts its threads at every fill, which costs more than a cheap fill: 256 rows of a JSON array schema
+    took 0.13 ms on one thread and 0.25 ms on two with the built-in tokenizer, 0.52 vs 0.67 ms with Qwen3's
+    151k-token vocabulary (2-core CPU, 2026-12-01), while a JSON object schema costs ~14 us a row on one core with
+    Qwen's tokenizer, where 8 threads win. So one thread fills while its fills would take under `threads_from`
+    seconds (exponential average of the seconds per row, times the rows); above that both are timed and the one
+    with the lower average fills, the other timed again every `probe_every` fills. `clock` is injectable for tests.
+    """
+
+    def __init__(self, xgr, threads: int, threads_from: float = 1e-3, probe_every: int = 64,
+                 clock=time.perf_counter):
+        self.serial = xgr.BatchGrammarMatcher(1)
+        self._modes = [self.serial] + ([xgr.BatchGrammarMatcher(threads)] if threads > 1 else [])
+        self._cost: list[float | None] = [None] * len(self._modes)  # seconds per row, averaged
+        self.threads_from, self.probe_every, self._clock, self._fills = threads_from, probe_every, clock, 0
+
+    def choice(self, rows: int) -> int:
+        """The mode a fill of `rows` matchers uses: 0 = one thread, 1 = several."""
+        serial, threaded = self._cost[0], self._cost[-1]
+        if len(self._modes) == 1 or serial is None or serial * rows < self.threads_from:
+            return 0
+        if threaded is None:
+            return 1
+        best = 0 if serial <= threaded else 1
+        return 1 - best if self._fills % self.probe_every == 0 else best
+
+    def fill(self, matchers: list, mask: torch.Tensor) -> None:
+        i = self.choice(len(matchers))
+        t0 = self._clock()
+        self._modes[i].batch_fill_next_token_bitmask(matchers, mask)
+        per_row = (self._clock() - t0) / max(len(matchers), 1)
+        c = self._cost[i]
+        self._cost[i] = per_row if c is None else 0.75 * c + 0.25 * per_row
+        self._fills += 1
+
+
 class StructuredOutputs:
     """The engine's grammars: compile (cached), a matcher per sequence, bitmasks for a step's rows."""
 
@@ -102,11 +142,9 @@ class StructuredOutputs:
                                                   stop_token_ids=stops or None)
         self.compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # our cache below: one, keyed by the spec
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
-        # xgrammar starts this many threads at each fill ("auto": half of what the host reports, which can be far
-        # more than the CPUs this process may use). A JSON object schema's fill costs ~14 us a row with Qwen's
-        # tokenizer (one core): 256 rows on 8 threads ~0.5 ms; a cheap grammar's ~2 us a row needs none
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        self._batch = xgr.BatchGrammarMatcher(max(1, min(8, cpus // 2)))
+        self._fills = FillChooser(xgr, threads=max(1, min(8, cpus // 2)))
+        self._batch = self._fills.serial  # accept: serial in xgrammar whatever its thread count
         self._pin = pin_memory
         self._mask = torch.empty(0, xgr.get_bitmask_shape(1, self.num_tokens)[1], dtype=torch.int32)
 
@@ -151,7 +189,7 @@ class StructuredOutputs:
             self._mask = torch.empty(max(n, 2 * self._mask.shape[0]), self._mask.shape[1], dtype=torch.int32,
                                      pin_memory=self._pin)
         mask = self._mask[:n]
-        self._batch.batch_fill_next_token_bitmask(matchers, mask)
+        self._fills.fill(matchers, mask)
         if self.num_tokens % 32:  # xgrammar may leave bits past the vocabulary set (a state allowing "anything")
             mask[:, -1] &= (1 << (self.num_tokens % 32)) - 1
         return mask
