@@ -29,7 +29,7 @@ from nanovllm.kernels.prefill_config import SHORT_MAX_Q
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.context import LayerContext
 from nanovllm.layers.linear import GemmPlan, UnquantizedLinearMethod
-from nanovllm.layers.logits_processing import SlotState, to_device
+from nanovllm.layers.logits_processing import SlotState, pairs_to_device, to_device
 from nanovllm.layers.ops import select_ops
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from nanovllm.models.loader import init_dummy, load_safetensors, process_weights_after_loading
@@ -236,8 +236,7 @@ class ModelRunner:
             if v.banned_rows.numel() == len(sb.banned):
                 banned = v.banned_rows, v.banned_tokens
             else:  # a CUDA graph's staging layout has no room for them: a separate small copy
-                pairs = to_device([r for r, _ in sb.banned] + [t for _, t in sb.banned], torch.int32, self.device)
-                banned = pairs[:len(sb.banned)], pairs[len(sb.banned):]
+                banned = pairs_to_device(sb.banned, torch.int32, self.device)
         drafts = None
         if sb.drafts is not None:  # speculative decoding: one small copy of the verifying rows and their drafts
             d = sb.drafts

@@ -7,7 +7,15 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels._common import check_int, check_same_device, dot_precision, next_pow2, sm_count, upcast_dots
+from nanovllm.kernels._common import (
+    check_int,
+    check_same_device,
+    dot_precision,
+    is_pow2,
+    next_pow2,
+    sm_count,
+    upcast_dots,
+)
 from nanovllm.kernels.paged_common import LOG2E, check_paged_args, kv_slots, kv_tile, online_softmax_step
 
 
@@ -213,7 +221,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if launch is None:
         launch = _decode_launch(D, q.dtype, fp8)
     BLOCK_N, warps, stages = (int(x) for x in launch)
-    if BLOCK_N < 16 or BLOCK_N & (BLOCK_N - 1) or warps not in (1, 2, 4, 8) or stages < 1:
+    if BLOCK_N < 16 or not is_pow2(BLOCK_N) or warps not in (1, 2, 4, 8) or stages < 1:
         raise ValueError(f"{fn}: launch must be (BLOCK_N: a power of two >= 16, num_warps: 1, 2, 4 or 8, "
                          f"num_stages >= 1), got {launch}")
     prec = dot_precision(q.dtype)

@@ -41,6 +41,13 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
 
 
+def pairs_to_device(pairs: list[tuple[int, int]], dtype: torch.dtype, device: torch.device
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token) pairs as two device tensors (rows, tokens), in one `to_device` copy."""
+    flat = to_device([r for r, _ in pairs] + [t for _, t in pairs], dtype, device)
+    return flat[:len(pairs)], flat[len(pairs):]
+
+
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
     """logits[rows[i], t] = -inf where bit t of row i of the (R, W) int32 bitmask is 0, and for every t >= 32 W
     (ids the mask does not cover: the tail of a vocabulary padded past the tokenizer's ids), in place.
@@ -157,6 +164,5 @@ def apply_late(logits: torch.Tensor, late: LateInputs, device: torch.device) -> 
         rows = to_device(late.mask_rows, torch.int64, device)
         apply_token_bitmask(logits, rows, late.bitmask.to(device, non_blocking=True))
     if late.banned:
-        pairs = to_device([r for r, _ in late.banned] + [t for _, t in late.banned], torch.int64, device)
-        n = len(late.banned)
-        logits[pairs[:n], pairs[n:]] = float("-inf")
+        rows, tokens = pairs_to_device(late.banned, torch.int64, device)
+        logits[rows, tokens] = float("-inf")

@@ -4,6 +4,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def check_data_parallel_size(size) -> int:
+    """`size` if it is an int >= 1: TypeError for another type (a bool too), ValueError below 1."""
+    if not isinstance(size, int) or isinstance(size, bool):
+        raise TypeError(f"data_parallel_size must be an int >= 1, got {type(size).__name__} {size!r}")
+    if size < 1:
+        raise ValueError(f"data_parallel_size must be an int >= 1, got {size}")
+    return size
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """served_model_names: names clients may use in `model` (empty: the model directory).
@@ -41,9 +50,7 @@ class ServerConfig:
             raise ValueError(f"max_request_body_bytes must be an int >= 1024, got {n!r}")
         if not isinstance(self.trust_request_chat_template, bool):
             raise TypeError(f"trust_request_chat_template must be a bool, got {self.trust_request_chat_template!r}")
-        d = self.data_parallel_size
-        if not isinstance(d, int) or isinstance(d, bool) or d < 1:
-            raise ValueError(f"data_parallel_size must be an int >= 1, got {d!r}")
+        check_data_parallel_size(self.data_parallel_size)
         for name in ("chat_template_timeout", "engine_step_timeout", "graceful_shutdown_timeout"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:

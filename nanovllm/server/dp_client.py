@@ -35,6 +35,7 @@ from collections import OrderedDict
 
 from nanovllm.engine.core_process import make_engine_core
 from nanovllm.engine.core_protocol import EngineStats, Ready
+from nanovllm.server.config import check_data_parallel_size
 from nanovllm.server.core_client import EngineCoreClient
 from nanovllm.server.metrics import EngineShare, ServerMetrics
 from nanovllm.server.request_group import EngineDeadError, RequestGroup
@@ -43,14 +44,6 @@ logger = logging.getLogger(__name__)
 
 AFFINITY_SLACK = 16        # sequences a core may carry above the least-loaded one and still keep its prefixes
 AFFINITY_ENTRIES = 1 << 16
-
-
-def check_data_parallel_size(size) -> int:
-    if not isinstance(size, int) or isinstance(size, bool):
-        raise TypeError(f"data_parallel_size must be an int, got {type(size).__name__} {size!r}")
-    if size < 1:
-        raise ValueError(f"data_parallel_size must be >= 1, got {size}")
-    return size
 
 
 def visible_cuda_devices() -> list[str]:

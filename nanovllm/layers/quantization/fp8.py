@@ -103,6 +103,8 @@ class Fp8MoEMethod(UnquantizedMoEMethod):
     ``w2_scale`` (E, H)); the activations stay in the model dtype. A decode step's experts are bound by the
     bytes of their weights (``docs/moe.md``), which this halves; the router stays in the model dtype."""
 
+    block: tuple[int, int] | None = None   # per-row scales (Fp8BlockMoEMethod: a checkpoint's tiles)
+
     def process_weights_after_loading(self, layer):
         dtype = layer.w13.dtype  # the model's (the activations')
         for name in ("w13", "w2"):
@@ -115,10 +117,10 @@ class Fp8MoEMethod(UnquantizedMoEMethod):
 
     def apply(self, layer, x, router_logits, out=None):
         return layer.fused_moe(x, router_logits, layer.w13, layer.w2, layer.top_k, layer.renormalize, out=out,
-                               w13_scale=layer.w13_scale, w2_scale=layer.w2_scale)
+                               w13_scale=layer.w13_scale, w2_scale=layer.w2_scale, block=self.block)
 
 
-class Fp8BlockMoEMethod(UnquantizedMoEMethod):
+class Fp8BlockMoEMethod(Fp8MoEMethod):
     """A block-FP8 checkpoint's experts (Qwen3-30B-A3B-FP8): e4m3 ``w13`` (E, 2I, H) / ``w2`` (E, H, I) as stored
     and each projection's ``weight_scale_inv`` tiles stacked beside them, ``w13_scale`` (E, 2I / bn, H / bk)
     ([gate | up] tiles) and ``w2_scale`` (E, H / bn, I / bk), float32. Weight-only, as ``Fp8MoEMethod``: the
@@ -168,12 +170,8 @@ class Fp8BlockMoEMethod(UnquantizedMoEMethod):
                 param.data[e].narrow(0, 0 if which == "gate" else n, n).copy_(loaded.narrow(0, r * n, n))
         return load
 
-    def process_weights_after_loading(self, layer):
+    def process_weights_after_loading(self, layer):  # (stored quantized: nothing to quantize)
         self.compile_kernels(layer, self.dtype, w13_scale=layer.w13_scale, w2_scale=layer.w2_scale, block=self.block)
-
-    def apply(self, layer, x, router_logits, out=None):
-        return layer.fused_moe(x, router_logits, layer.w13, layer.w2, layer.top_k, layer.renormalize, out=out,
-                               w13_scale=layer.w13_scale, w2_scale=layer.w2_scale, block=self.block)
 
 
 def _fp8_expert_loader(layer):
