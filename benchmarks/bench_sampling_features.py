@@ -8,7 +8,9 @@ schema is an array of at least 1,000 integers, so no grammar completes), and the
 steps is reported: plain, json (a schema on every row: grammar matching overlaps the forward), penalties
 (presence + frequency + repetition on every row), bias (logit_bias + allowed_token_ids), n (rows / 4 prompts
 with n=4). Target: json within 10% of plain; penalties and n add no host round trip (their step time stays
-close to plain's).
+close to plain's). The modes run in turn --rounds times (default 3) and each reports its median over all rounds:
+on the GPU machines (virtual CPUs) the host's speed drifts by up to 1.5x between runs a minute apart, which two
+runs one after the other would read as a difference between modes.
 
     python benchmarks/bench_sampling_features.py --model benchmarks/models/qwen3-0.6b --host-only [--tokenizer DIR]
 
@@ -168,6 +170,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--modes", default="plain,json,penalties,bias,n")
+    ap.add_argument("--rounds", type=int, default=3, help="the modes run in turn this many times")
     ap.add_argument("--host-only", action="store_true", help="no model: the engine's host time per step")
     add_engine_args(ap)
     args = ap.parse_args(argv)
@@ -195,16 +198,24 @@ def main(argv=None) -> dict:
     res, what = {}, "host time per decode step" if args.host_only else "decode step"
     if not args.host_only:
         llm.generate(prompts[:8], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
-    for name in args.modes.split(","):
-        timers: dict[str, list[float]] = {}
-        if args.host_only:
-            times = host_step_times(engine, *modes[name], timers)
-        else:
-            times = decode_step_times(llm, *modes[name])
-        res[name] = statistics.median(times) * 1e3
-        parts = "".join(f", {k} {statistics.median(v) * 1e3:.3f}" for k, v in timers.items() if v)
-        print(f"{name:10s} {what} median {res[name]:.3f} ms over {len(times)} steps{parts}"
-              + (f"  ({res[name] / res['plain']:.3f}x plain)" if "plain" in res and name != "plain" else ""))
+    names = args.modes.split(",")
+    times: dict[str, list[float]] = {name: [] for name in names}
+    rounds: dict[str, list[float]] = {name: [] for name in names}
+    timers: dict[str, dict[str, list[float]]] = {name: {} for name in names}
+    for _ in range(args.rounds):
+        for name in names:
+            if args.host_only:
+                t = host_step_times(engine, *modes[name], timers[name])
+            else:
+                t = decode_step_times(llm, *modes[name])
+            times[name] += t
+            rounds[name].append(statistics.median(t) * 1e3)
+    for name in names:
+        res[name] = statistics.median(times[name]) * 1e3
+        parts = "".join(f", {k} {statistics.median(v) * 1e3:.3f}" for k, v in timers[name].items() if v)
+        per_round = " / ".join(f"{r:.2f}" for r in rounds[name])
+        print(f"{name:10s} {what} median {res[name]:.3f} ms over {len(times[name])} steps (rounds: {per_round})"
+              + parts + (f"  ({res[name] / res['plain']:.3f}x plain)" if "plain" in res and name != "plain" else ""))
     (engine if args.host_only else llm).shutdown()
     shutil.rmtree(path, ignore_errors=True)
     return res

@@ -153,5 +153,5 @@ def test_host_only_bench_runs_the_engine_on_its_masks():
     import bench_sampling_features
     model = os.path.join(ROOT, "benchmarks", "models", "qwen3-0.6b")
     res = bench_sampling_features.main(["--model", model, "--host-only", "--rows", "16", "--tokens", "12",
-                                        "--modes", "plain,json"])
+                                        "--modes", "plain,json", "--rounds", "2"])
     assert set(res) == {"plain", "json"} and all(v > 0 for v in res.values())
