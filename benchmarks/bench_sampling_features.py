@@ -9,7 +9,7 @@ steps is reported: plain, json (a schema on every row: grammar matching overlaps
 (presence + frequency + repetition on every row), bias (logit_bias + allowed_token_ids), n (rows / 4 prompts
 with n=4). Target: json within 10% of plain; penalties and n add no host round trip (their step time stays
 close to plain's). The modes run in turn --rounds times (default 3) and each reports its median over all rounds:
-on the GPU machines (virtual CPUs) the host's speed drifts by up to 1.5x between runs a minute apart, which two
+on the GPU machines (virtual CPUs) the host's speed drifts by up to 1.8x between runs a minute apart, which two
 runs one after the other would read as a difference between modes.
 
     python benchmarks/bench_sampling_features.py --model benchmarks/models/qwen3-0.6b --host-only [--tokenizer DIR]
@@ -174,6 +174,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--host-only", action="store_true", help="no model: the engine's host time per step")
     add_engine_args(ap)
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     path = model_dir(args.model, args.tokenizer)
     R, T = args.rows, args.tokens
     kwargs = {"load_format": "dummy", "max_num_seqs": R, **engine_kwargs(args)}
