@@ -6,8 +6,9 @@ tiling of our Triton kernel (``nanovllm.kernels.fp8_gemm``), at a model's projec
 Each product runs in a CUDA graph that cycles over --copies copies of the weight (so the weights stream from HBM
 as in a decode step, not from L2). Prints per (shape, rows): _scaled_mm's microseconds and TB/s, the best Triton
 tiling and its, and per row count the whole layer (every projection once) by _scaled_mm, by the best tiling of
-each shape, and by the engine's plan (the faster of the two per shape, as ``nanovllm.engine.gemm_plan`` chooses
-at startup). The best tiling is checked against the float32 reference (relative error < 1e-2).
+each shape, and by "plan": the faster of the two per shape, what a startup plan could pick (the engine has none
+for FP8: it uses _scaled_mm, see RESULTS.md). The best tiling is checked against the float32 reference
+(relative error < 1e-2).
 """
 from __future__ import annotations
 

@@ -32,6 +32,13 @@ def check_tiling(obj, tiles: tuple[str, ...], counts: tuple[str, ...] = ("num_wa
             raise ValueError(f"{cls}.{name} must be a positive int, got {v!r}")
 
 
+def check_scale_block(fn: str, block: tuple[int, int]) -> None:
+    """A block-scaled weight's (bn, bk) tile: two powers of two >= 16; ValueError naming `fn` and the block."""
+    if len(block) != 2 or any(isinstance(b, bool) or not isinstance(b, int) or b < 16 or not is_pow2(b)
+                              for b in block):
+        raise ValueError(f"{fn}: block sizes must be powers of two >= 16, got {block}")
+
+
 def interpreting() -> bool:
     """True under the Triton CPU interpreter (TRITON_INTERPRET set and not 0)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

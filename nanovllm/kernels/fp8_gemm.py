@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels._common import check_same_device, check_tiling, sm_count
+from nanovllm.kernels._common import check_same_device, check_scale_block, check_tiling, sm_count
 
 
 @dataclass(frozen=True)
@@ -122,9 +122,8 @@ def w8a8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Te
     if block is None:
         want_xs, want_ws, block_k, scale_n = (M, 1), (N,), 128, 1
     else:
+        check_scale_block(fn, block)
         bn, bk = block
-        if any(b < 16 or b & (b - 1) for b in block):
-            raise ValueError(f"{fn}: block sizes must be powers of two >= 16, got {block}")
         want_xs, want_ws, block_k, scale_n = (M, -(-K // bk)), (-(-N // bn), -(-K // bk)), bk, bn
     for name, t, want in (("xs", xs, want_xs), ("ws", ws, want_ws)):
         if t.dtype != torch.float32 or tuple(t.shape) != want or t.stride(-1) != 1:

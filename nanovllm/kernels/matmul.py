@@ -28,7 +28,14 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels._common import check_float, check_int, check_same_device, dot_precision, is_pow2, upcast_dots
+from nanovllm.kernels._common import (
+    check_float,
+    check_int,
+    check_same_device,
+    check_tiling,
+    dot_precision,
+    upcast_dots,
+)
 
 
 @dataclass(frozen=True)
@@ -43,14 +50,7 @@ class MatmulConfig:
     num_stages: int = 4
 
     def __post_init__(self):
-        for name in ("block_m", "block_n", "block_k"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or not is_pow2(v) or v < 16:
-                raise ValueError(f"MatmulConfig.{name} must be a power of two >= 16, got {v!r}")
-        for name in ("splits", "num_warps", "num_stages"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"MatmulConfig.{name} must be a positive int, got {v!r}")
+        check_tiling(self, ("block_m", "block_n", "block_k"), ("splits", "num_warps", "num_stages"))
 
     def tiles(self, M: int, N: int) -> int:
         return triton.cdiv(M, self.block_m) * triton.cdiv(N, self.block_n)

@@ -21,7 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels._common import check_float, check_same_device, dot_precision, is_pow2, next_pow2, upcast_dots
+from nanovllm.kernels._common import (
+    check_float,
+    check_same_device,
+    check_scale_block,
+    dot_precision,
+    next_pow2,
+    upcast_dots,
+)
 from nanovllm.kernels.moe_configs import GemmTile, MoEConfig, config_buckets, moe_config
 from nanovllm.kernels.moe_routing import moe_align, moe_route
 from nanovllm.layers.moe_ref import MoELayout
@@ -175,8 +182,8 @@ def _check_operands(fn: str, a: torch.Tensor, w: torch.Tensor, w_scale: torch.Te
         if w_scale.dtype != torch.float32 or tuple(w_scale.shape) != want or not w_scale.is_contiguous():
             raise ValueError(f"{fn}: weight scales must be contiguous float32 {want}, got "
                              f"{w_scale.dtype} {tuple(w_scale.shape)}")
-        if block is not None and any(b < 16 or not is_pow2(b) for b in block):
-            raise ValueError(f"{fn}: block sizes must be powers of two >= 16, got {block}")
+        if block is not None:
+            check_scale_block(fn, block)
         check_same_device(weights=w, weight_scales=w_scale)
     elif a.dtype != w.dtype:
         raise ValueError(f"{fn}: operands must share a dtype, got {a.dtype} and {w.dtype}")

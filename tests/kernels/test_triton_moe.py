@@ -240,6 +240,9 @@ def test_fp8_experts_reject_bad_scales(device):
         fused_moe(x, lg, w13, w2, 2, True, w13_scale=s13[:, :16], w2_scale=s2)
     with pytest.raises(ValueError, match="come with their scales"):
         moe_gate_up(x, w13, align_ref(torch.zeros(3, 2, dtype=torch.int32), 4, 16), 2, GemmTile(16, 16))
+    with pytest.raises(ValueError, match="block sizes must be powers of two >= 16"):
+        moe_gate_up(x, w13, align_ref(torch.zeros(3, 2, dtype=torch.int32), 4, 16), 2, GemmTile(16, 16),
+                    torch.ones(4, 2, 2, device=device), block=(16, 24))
 
 
 def test_fused_moe_rejects_bad_inputs(device):
