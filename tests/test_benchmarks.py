@@ -155,3 +155,11 @@ def test_host_only_bench_runs_the_engine_on_its_masks():
     res = bench_sampling_features.main(["--model", model, "--host-only", "--rows", "16", "--tokens", "12",
                                         "--modes", "plain,json", "--rounds", "2"])
     assert set(res) == {"plain", "json"} and all(v > 0 for v in res.values())
+
+
+def test_sampling_bench_rejects_zero_rounds(capsys):
+    import bench_sampling_features
+    model = os.path.join(ROOT, "benchmarks", "models", "qwen3-0.6b")
+    with pytest.raises(SystemExit):
+        bench_sampling_features.main(["--model", model, "--host-only", "--rounds", "0"])
+    assert "--rounds must be at least 1, got 0" in capsys.readouterr().err
