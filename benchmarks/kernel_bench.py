@@ -291,10 +291,11 @@ def block_ms(tokens: int) -> tuple[int, ...]:
 
 def tiles(block_m: int, operands: int) -> list[GemmTile]:
     """Candidate tiles of a GEMM that loads `operands` weight tiles per step (gate/up: 2, down: 1): decode-sized
-    blocks stream the weights (wide k-tiles, deep pipelines); large blocks are compute tiles. Those over ~200 KB
-    of shared memory are left out (they do not build)."""
+    blocks stream the weights (wide k-tiles, deep pipelines, or two stages so that two programs share an SM and
+    one streams while the other starts); large blocks are compute tiles. Those over ~200 KB of shared memory are
+    left out (they do not build)."""
     if block_m <= 32:
-        grid = itertools.product((32, 64, 128, 256), (64, 128, 256), (4,), (3, 4, 5))
+        grid = itertools.product((32, 64, 128, 256), (64, 128, 256), (4, 8), (2, 3, 4, 5))
     else:
         grid = itertools.product((64, 128, 256), (32, 64, 128), (4, 8), (3, 4))
     return [GemmTile(bn, bk, warps, stages) for bn, bk, warps, stages in grid
@@ -324,7 +325,7 @@ def layer_seconds(x, logits, w13, w2, k, cfg: MoEConfig) -> float:
 def sweep_block(x, logits, weights, ids, w13, w2, k: int, block_m: int):
     """The best tile of each GEMM on the layout of `block_m`-row blocks, then the whole layer with them:
     (layer seconds, config, gate_up seconds, down seconds, blocks in the layout)."""
-    layout = moe_align(ids, w13[0].shape[0], block_m)
+    layout = moe_align(ids, w13[0][0].shape[0], block_m)
     up_tiles, down_tiles = tiles(block_m, 2), tiles(block_m, 1)
     with ThreadPoolExecutor(16) as pool:  # compile side by side (the compiler runs in subprocesses)
         list(pool.map(lambda t: _try(lambda: moe_gate_up(x, w13[0][0], layout, k, t, w13[0][1])), up_tiles))

@@ -114,6 +114,33 @@ def test_kernel_bench_attention_layouts():
         kernel_bench.main(["nope"])
 
 
+def test_kernel_bench_moe_sweep_block(monkeypatch):
+    """kernel_bench moe's sweep of one block size over (weights, scales) copies, as bench_moe builds them: the
+    layout, each GEMM's candidates and the layer with the winners run (the CPU interpreter on a tiny shape, two
+    candidates a GEMM; the timer stands in for CUDA graphs) and the winner is the faster candidate."""
+    import kernel_bench
+
+    from nanovllm.kernels.moe_configs import GemmTile
+    g = torch.Generator().manual_seed(0)
+    E, H, inter, k, T = 4, 32, 16, 2, 6
+    x = torch.randn(T, H, generator=g)
+    logits = torch.randn(T, E, generator=g)
+    weights, ids = kernel_bench.moe_route(logits, k, True)
+    w13 = [(0.1 * torch.randn(E, 2 * inter, H, generator=g), None)]
+    w2 = [(0.1 * torch.randn(E, H, inter, generator=g), None)]
+    slow, fast = GemmTile(16, 16, 4, 2), GemmTile(32, 16, 4, 2)
+    monkeypatch.setattr(kernel_bench, "tiles", lambda block_m, operands: [slow, fast])
+    runs = []
+
+    def seconds(fn, copies):
+        runs.append(fn())
+        return 1.0 if len(runs) % 2 else 0.5  # the second candidate of each GEMM is faster
+    monkeypatch.setattr(kernel_bench, "_seconds", seconds)
+    total, cfg, t_up, t_down, nb = kernel_bench.sweep_block(x, logits, weights, ids, w13, w2, k, 16)
+    assert cfg.block_m == 16 and cfg.gate_up == fast and cfg.down == fast and (t_up, t_down) == (0.5, 0.5)
+    assert len(runs) == 5 and nb >= 1  # two candidates per GEMM, then the layer
+
+
 def test_fp8_gemm_bench_shapes_and_candidates():
     """fp8_gemm_bench's projections of Qwen3-8B and its candidate tilings (each pipeline within shared memory,
     no more rows per tile than the step has, at least 16)."""
