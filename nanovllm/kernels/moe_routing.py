@@ -6,11 +6,13 @@ the worst case (`max_blocks` blocks), grids are fixed, and nothing is read back 
 
 * ``moe_route``: one program per BLOCK_T tokens: softmax in float32, top-k by repeated argmax (ties to the lower
   expert index), optional renormalization.
-* ``moe_align`` (three launches): each chunk of BLOCK_P pairs counts its pairs per expert and ranks each pair
-  among its chunk's pairs of the same expert (a cumulative sum over a one-hot matrix); one program scans the
-  counts into each expert's padded start and each chunk's offset within it, and labels every block with its
-  expert and real row count (-1 and 0 past the last); each chunk then writes its pairs' indices to their rows.
-  Pairs of one expert keep pair-index order, so the layout is deterministic.
+* ``moe_align`` (two launches): the pairs are split into at most MAX_CHUNKS chunks; each chunk counts its pairs
+  per expert and ranks each pair among its chunk's pairs of the same expert (a cumulative sum over a one-hot
+  matrix, BLOCK_P pairs at a time). Then each chunk's program scans all the chunks' counts (a small tile, read by
+  every program, so no single-program scan runs between the two launches) into each expert's padded start and
+  its own offset within it, writes its pairs' indices to their rows, and labels its share of the blocks with
+  their expert and real row count (-1 and 0 past the last). Pairs of one expert keep pair-index order, so the
+  layout is deterministic.
 """
 from __future__ import annotations
 
@@ -22,11 +24,12 @@ from nanovllm.kernels._common import check_float, check_int, next_pow2
 from nanovllm.layers.moe_ref import MoELayout, max_blocks
 
 # Tile sizes, fixed (one compile serves every token count) and small enough that a (tile, experts) int32 matrix
-# stays in registers at E=128: tokens per routing program, pairs per counting / scattering chunk, and the
-# scan's chunks and blocks per step.
+# stays in registers at E=128: tokens per routing program, pairs per counting / scattering step, the most chunks
+# the pairs are split into (the scan tile every scattering program reads), and blocks labelled per step.
 BLOCK_T = 16
 BLOCK_P = 64
-SCAN_CHUNKS, SCAN_BLOCKS = 32, 64
+MAX_CHUNKS = 32
+BLOCK_B = 16
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -83,41 +86,47 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tup
     return weights, ids
 
 
-@triton.jit(do_not_specialize=["N"])
-def _count_kernel(IDS, COUNTS, RANKS, N, E, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+@triton.jit(do_not_specialize=["N", "chunk_size"])
+def _count_kernel(IDS, COUNTS, RANKS, N, E, chunk_size, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
     chunk = tl.program_id(0)
-    offs_p = chunk * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_e = tl.arange(0, BLOCK_E)
-    ids = tl.load(IDS + offs_p, mask=offs_p < N, other=-1)
-    hot = (ids[:, None] == offs_e[None, :]).to(tl.int32)                     # (BLOCK_P, BLOCK_E)
-    tl.store(COUNTS + chunk * E + offs_e, tl.sum(hot, axis=0), mask=offs_e < E)
-    before = tl.cumsum(hot, axis=0) - hot                                      # earlier pairs of the same expert
-    tl.store(RANKS + offs_p, tl.sum(before * hot, axis=1), mask=offs_p < N)
+    running = tl.zeros((BLOCK_E,), dtype=tl.int32)  # this chunk's pairs per expert so far
+    for p0 in range(0, chunk_size, BLOCK_P):
+        offs_p = chunk * chunk_size + p0 + tl.arange(0, BLOCK_P)
+        ok = offs_p < N  # (chunk_size: a multiple of BLOCK_P)
+        ids = tl.load(IDS + offs_p, mask=ok, other=-1)
+        hot = (ids[:, None] == offs_e[None, :]).to(tl.int32)                 # (BLOCK_P, BLOCK_E)
+        before = tl.cumsum(hot, axis=0) - hot + running[None, :]               # earlier pairs of the same expert
+        tl.store(RANKS + offs_p, tl.sum(before * hot, axis=1), mask=ok)
+        running += tl.sum(hot, axis=0)
+    tl.store(COUNTS + chunk * E + offs_e, running, mask=offs_e < E)
 
 
-@triton.jit(do_not_specialize=["n_chunks", "n_blocks"])
-def _scan_kernel(COUNTS, OFFSETS, BLOCK_EXPERT, BLOCK_ROWS, n_chunks, n_blocks, E,
-                 BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
+@triton.jit(do_not_specialize=["N", "chunk_size", "n_chunks", "n_blocks", "blocks_per_chunk"])
+def _scatter_kernel(IDS, RANKS, COUNTS, SORTED, BLOCK_EXPERT, BLOCK_ROWS, N, E, chunk_size, n_chunks, n_blocks,
+                    blocks_per_chunk, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+                    MAX_CHUNKS: tl.constexpr, BLOCK_B: tl.constexpr):
+    chunk = tl.program_id(0)
     offs_e = tl.arange(0, BLOCK_E)
     mask_e = offs_e < E
-    total = tl.zeros((BLOCK_E,), dtype=tl.int32)
-    for c0 in range(0, n_chunks, BLOCK_C):
-        c = c0 + tl.arange(0, BLOCK_C)
-        m = (c < n_chunks)[:, None] & mask_e[None, :]
-        total += tl.sum(tl.load(COUNTS + c[:, None] * E + offs_e[None, :], mask=m, other=0), axis=0)
+    c = tl.arange(0, MAX_CHUNKS)
+    counts = tl.load(COUNTS + c[:, None] * E + offs_e[None, :], mask=(c < n_chunks)[:, None] & mask_e[None, :],
+                     other=0)                                                 # (MAX_CHUNKS, BLOCK_E)
+    total = tl.sum(counts, axis=0)
     padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
-    # each chunk's pairs of expert e go after the earlier chunks' ones
-    run = starts
-    for c0 in range(0, n_chunks, BLOCK_C):
-        c = c0 + tl.arange(0, BLOCK_C)
-        m = (c < n_chunks)[:, None] & mask_e[None, :]
-        tile = tl.load(COUNTS + c[:, None] * E + offs_e[None, :], mask=m, other=0)
-        tl.store(OFFSETS + c[:, None] * E + offs_e[None, :], run[None, :] + tl.cumsum(tile, axis=0) - tile, mask=m)
-        run += tl.sum(tile, axis=0)
+    # this chunk's pairs of expert e go after the earlier chunks' ones
+    offset = starts + tl.sum(tl.where((c < chunk)[:, None], counts, 0), axis=0)
+    for p0 in range(0, chunk_size, BLOCK_P):
+        offs_p = chunk * chunk_size + p0 + tl.arange(0, BLOCK_P)
+        ok = offs_p < N  # (chunk_size: a multiple of BLOCK_P)
+        ids = tl.load(IDS + offs_p, mask=ok, other=-1)
+        base = tl.sum(tl.where(ids[:, None] == offs_e[None, :], offset[None, :], 0), axis=1)
+        tl.store(SORTED + base + tl.load(RANKS + offs_p, mask=ok, other=0), offs_p, mask=ok)
     used = tl.sum(padded, axis=0)
-    for b0 in range(0, n_blocks, BLOCK_B):
+    b_end = tl.minimum((chunk + 1) * blocks_per_chunk, n_blocks)
+    for b0 in range(chunk * blocks_per_chunk, b_end, BLOCK_B):
         b = b0 + tl.arange(0, BLOCK_B)
         row = b * BLOCK_M
         # the expert whose padded rows hold `row`: the number of experts ending at or before it
@@ -127,18 +136,15 @@ def _scan_kernel(COUNTS, OFFSETS, BLOCK_EXPERT, BLOCK_ROWS, n_chunks, n_blocks, 
         count = tl.sum(tl.where(hot, total, 0), axis=1)
         rows = tl.minimum(tl.maximum(count - (row - start), 0), BLOCK_M)
         live = row < used
-        tl.store(BLOCK_EXPERT + b, tl.where(live, e, -1), mask=b < n_blocks)
-        tl.store(BLOCK_ROWS + b, tl.where(live, rows, 0), mask=b < n_blocks)
+        tl.store(BLOCK_EXPERT + b, tl.where(live, e, -1), mask=b < b_end)
+        tl.store(BLOCK_ROWS + b, tl.where(live, rows, 0), mask=b < b_end)
 
 
-@triton.jit(do_not_specialize=["N"])
-def _scatter_kernel(IDS, RANKS, OFFSETS, SORTED, N, E, BLOCK_P: tl.constexpr):
-    chunk = tl.program_id(0)
-    offs_p = chunk * BLOCK_P + tl.arange(0, BLOCK_P)
-    m = offs_p < N
-    ids = tl.load(IDS + offs_p, mask=m, other=0)
-    slot = tl.load(OFFSETS + chunk * E + ids, mask=m, other=0) + tl.load(RANKS + offs_p, mask=m, other=0)
-    tl.store(SORTED + slot, offs_p, mask=m)
+def chunking(num_pairs: int) -> tuple[int, int]:
+    """(pairs per chunk, chunks) of moe_align's launches: chunks of BLOCK_P pairs, or of a multiple of it so that
+    there are at most MAX_CHUNKS."""
+    chunk = triton.cdiv(triton.cdiv(num_pairs, MAX_CHUNKS), BLOCK_P) * BLOCK_P
+    return chunk, triton.cdiv(num_pairs, chunk)
 
 
 def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> MoELayout:
@@ -157,13 +163,13 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> MoELayout:
     block_expert = torch.empty(nb, dtype=torch.int32, device=dev)
     block_rows = torch.empty(nb, dtype=torch.int32, device=dev)
     if n:
-        chunks = triton.cdiv(n, BLOCK_P)
+        chunk, chunks = chunking(n)
         counts = torch.empty(chunks, num_experts, dtype=torch.int32, device=dev)
-        offsets = torch.empty_like(counts)
         ranks = torch.empty(n, dtype=torch.int32, device=dev)
         be = max(16, next_pow2(num_experts))
-        _count_kernel[(chunks,)](flat, counts, ranks, n, num_experts, BLOCK_P=BLOCK_P, BLOCK_E=be, num_warps=4)
-        _scan_kernel[(1,)](counts, offsets, block_expert, block_rows, chunks, nb, num_experts, BLOCK_M=block_m,
-                           BLOCK_C=SCAN_CHUNKS, BLOCK_E=be, BLOCK_B=SCAN_BLOCKS, num_warps=8)
-        _scatter_kernel[(chunks,)](flat, ranks, offsets, sorted_ids, n, num_experts, BLOCK_P=BLOCK_P, num_warps=4)
+        _count_kernel[(chunks,)](flat, counts, ranks, n, num_experts, chunk, BLOCK_P=BLOCK_P, BLOCK_E=be,
+                                 num_warps=4)
+        _scatter_kernel[(chunks,)](flat, ranks, counts, sorted_ids, block_expert, block_rows, n, num_experts, chunk,
+                                   chunks, nb, triton.cdiv(nb, chunks), BLOCK_M=block_m, BLOCK_P=BLOCK_P, BLOCK_E=be,
+                                   MAX_CHUNKS=MAX_CHUNKS, BLOCK_B=BLOCK_B, num_warps=4)
     return MoELayout(sorted_ids, block_expert, block_rows, block_m)
