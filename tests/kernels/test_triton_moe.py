@@ -71,9 +71,12 @@ def _ids(kind: str, T: int, E: int, k: int, device) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind, T, E, k", [("random", 1, 8, 2), ("random", 37, 8, 2), ("random", 100, 16, 4),
                                            ("random", 50, 12, 3),
-                                           ("two experts", 70, 8, 2), ("random", 300, 128, 8)])
+                                           ("two experts", 70, 8, 2), ("random", 300, 128, 8),
+                                           ("random", 8, 128, 8)])
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_align_matches_reference(device, kind, T, E, k, block_m):
+    """T=300, E=128, k=8: chunks of two BLOCK_P steps (at most MAX_CHUNKS chunks); T=8: one chunk labels all of
+    its 64 blocks, BLOCK_B at a time."""
     ids = _ids(kind, T, E, k, device)
     lay, ref = moe_align(ids, E, block_m), align_ref(ids, E, block_m)
     assert lay.block_expert.numel() == max_blocks(T * k, E, block_m)
