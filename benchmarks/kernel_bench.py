@@ -525,6 +525,7 @@ def decode(argv: list[str]) -> None:
             del case, ref
             torch.cuda.empty_cache()
 
+
 COMMANDS = {"attention": attention, "moe": moe, "decode": decode}
 
 

@@ -76,8 +76,8 @@ DEFAULT_BUCKETS: tuple[tuple[int, MoEConfig], ...] = (
 # `python benchmarks/kernel_bench.py moe --tokens 256 1024 4096 8192` (2026-12-01; up to 128 tokens DEFAULT_BUCKETS'
 # entries, which the 16-128-token sweep measured within 1% of its best). Against DEFAULT_BUCKETS the layer took 410
 # vs 448 us at 1,024 tokens, 876 vs 1,108 at 4,096 and 1,604 vs 2,058 at 8,192. At 256 tokens (the reference
-# workload's decode and mixed steps) gate/up with 2 stages: the sweep's pick in two later calls (8-warp, 2-5
-# stage and transposed-product candidates included), the layer 313.9 vs 316.8 us.
+# workload's decode and mixed steps) gate/up with 2 stages: the sweep's pick in two later calls (with 8-warp and
+# 2-5 stage candidates), the layer 313.9 vs 316.8 us.
 MOE_CONFIGS: dict[tuple[int, int, int], tuple[tuple[int, MoEConfig], ...]] = {
     (128, 2048, 768): (  # Qwen3-30B-A3B, one GPU
         DEFAULT_BUCKETS[0],
