@@ -142,18 +142,32 @@ def _argmax_lanes(vals, idxs):
 
 
 @triton.jit
-def _greedy_tile(lrow, s, lanes, end, best, best_i, MASKED: tl.constexpr):
+def _banned(x, offs, mrow, n_bits, constrained, HAS_MASK: tl.constexpr):
+    """x with -inf where a constrained row's bitmask bans the token (bit ``offs % 32`` of word ``offs // 32`` is 0,
+    or ``offs >= n_bits``: ids the mask does not cover), as ``apply_token_bitmask`` does before sampling."""
+    if HAS_MASK:
+        words = tl.load(mrow + (offs >> 5), mask=offs < tl.where(constrained, n_bits, 0), other=0)
+        allowed = ((words >> (offs & 31)) & 1) != 0
+        x = tl.where(constrained, tl.where(allowed, x, float("-inf")), x)
+    return x
+
+
+@triton.jit
+def _greedy_tile(lrow, s, lanes, end, best, best_i, mrow, n_bits, constrained, MASKED: tl.constexpr,
+                 HAS_MASK: tl.constexpr):
     offs = s + lanes
     if MASKED:
         x = tl.load(lrow + offs, mask=offs < end, other=float("-inf"), eviction_policy="evict_first").to(tl.float32)
     else:
         x = tl.load(lrow + offs, eviction_policy="evict_first").to(tl.float32)
+    x = _banned(x, offs, mrow, n_bits, constrained, HAS_MASK)
     upd = _better(x, best)
     return tl.where(upd, x, best), tl.where(upd, offs, best_i)
 
 
 @triton.jit
-def _exact_chunk(lrow, start, end, lanes, t, base, BLOCK: tl.constexpr, GPU: tl.constexpr):
+def _exact_chunk(lrow, start, end, lanes, t, base, mrow, n_bits, constrained, BLOCK: tl.constexpr,
+                 GPU: tl.constexpr, HAS_MASK: tl.constexpr):
     """(exact max score, lowest argmax) over tokens [start, end) of a sampled row."""
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_i = start + lanes
@@ -161,6 +175,7 @@ def _exact_chunk(lrow, start, end, lanes, t, base, BLOCK: tl.constexpr, GPU: tl.
         offs = s + lanes
         mask = offs < end
         x = tl.load(lrow + offs, mask=mask, other=0.0).to(tl.float32)
+        x = _banned(x, offs, mrow, n_bits, constrained, HAS_MASK)
         score = tl.div_rn(x, t) + _gumbel_exact(_uniform(base, offs, GPU), GPU)
         score = tl.where(mask, score, float("-inf"))
         upd = _better(score, best)
@@ -170,13 +185,15 @@ def _exact_chunk(lrow, start, end, lanes, t, base, BLOCK: tl.constexpr, GPU: tl.
 
 
 @triton.jit
-def _approx_tile(lrow, s, lanes, end, rcp, base, best, second, best_i, MASKED: tl.constexpr, GPU: tl.constexpr):
+def _approx_tile(lrow, s, lanes, end, rcp, base, best, second, best_i, mrow, n_bits, constrained,
+                 MASKED: tl.constexpr, GPU: tl.constexpr, HAS_MASK: tl.constexpr):
     offs = s + lanes
     if MASKED:
         mask = offs < end
         x = tl.load(lrow + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
     else:
         x = tl.load(lrow + offs, eviction_policy="evict_first").to(tl.float32)
+    x = _banned(x, offs, mrow, n_bits, constrained, HAS_MASK)
     a = _score_approx(x, rcp, _uniform(base, offs, GPU), GPU)
     # NaN (NaN logit, or -inf logit + inf noise) would be invisible to '>': rank it as +inf, so it wins or ties
     # (a tie at +inf fails verification and the exact pass, which knows NaN > inf, decides)
@@ -194,14 +211,15 @@ def _approx_tile(lrow, s, lanes, end, rcp, base, best, second, best_i, MASKED: t
 
 @triton.jit(do_not_specialize=["offset"])
 def _sample_chunk_kernel(
-    L, TEMP, SEED, STEP, PART_V, PART_I, OUT, OUT_V, V, offset, chunk_len,
+    L, TEMP, SEED, STEP, PART_V, PART_I, OUT, OUT_V, MASK, MASK_IDX, V, offset, chunk_len, mask_words,
     stride_l, stride_t, stride_seed, stride_step, stride_out, stride_out_v, margin_abs, margin_rel,
     BLOCK: tl.constexpr, SINGLE: tl.constexpr, FORCE_EXACT: tl.constexpr, GPU: tl.constexpr,
-    PARTIAL: tl.constexpr,
+    PARTIAL: tl.constexpr, HAS_MASK: tl.constexpr,
 ):
     """Column j < V of row ``row`` is global token ``offset + j``: the noise and the ids written are global (the
     offset is folded into the hash base: ``seed*golden + step*c + offset + j`` wraps alike). PARTIAL also writes
-    the winner's score (OUT_V)."""
+    the winner's score (OUT_V). HAS_MASK: row ``row`` with ``MASK_IDX[row] >= 0`` samples only the tokens its
+    bitmask row (``mask_words`` int32 words of MASK) allows."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     start = chunk * chunk_len
@@ -211,12 +229,22 @@ def _sample_chunk_kernel(
     lanes = tl.arange(0, BLOCK)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_i = start + lanes
+    if HAS_MASK:
+        mi = tl.load(MASK_IDX + row)
+        constrained = mi >= 0
+        mrow = MASK + tl.maximum(mi, 0).to(tl.int64) * mask_words
+    else:
+        constrained = False
+        mrow = MASK
+    n_bits = mask_words * 32
     t = tl.load(TEMP + row * stride_t)
     if t <= 0:  # greedy: argmax of the raw logits (a NaN temperature samples, as in the reference)
         for s in range(start, full_end, BLOCK):
-            best, best_i = _greedy_tile(lrow, s, lanes, end, best, best_i, False)
+            best, best_i = _greedy_tile(lrow, s, lanes, end, best, best_i, mrow, n_bits, constrained, False,
+                                            HAS_MASK)
         if full_end < end:
-            best, best_i = _greedy_tile(lrow, full_end, lanes, end, best, best_i, True)
+            best, best_i = _greedy_tile(lrow, full_end, lanes, end, best, best_i, mrow, n_bits, constrained,
+                                            True, HAS_MASK)
         val, idx = _argmax_lanes(best, best_i)
     else:
         seed = tl.load(SEED + row * stride_seed).to(tl.int64).to(tl.uint64, bitcast=True)
@@ -224,17 +252,18 @@ def _sample_chunk_kernel(
         base = seed * 0x9E3779B97F4A7C15 + step * 0xD1B54A32D192ED03
         base += offset.to(tl.int64).to(tl.uint64, bitcast=True)
         if FORCE_EXACT:
-            val, idx = _exact_chunk(lrow, start, end, lanes, t, base, BLOCK, GPU)
+            val, idx = _exact_chunk(lrow, start, end, lanes, t, base, mrow, n_bits, constrained, BLOCK, GPU,
+                                        HAS_MASK)
         else:
             # filter pass: cheap scores, per-lane best / runner-up
             rcp = tl.div_rn(1.0, t)
             second = tl.full([BLOCK], float("-inf"), tl.float32)
             for s in range(start, full_end, BLOCK):
                 best, second, best_i = _approx_tile(lrow, s, lanes, end, rcp, base, best, second, best_i,
-                                                    False, GPU)
+                                                    mrow, n_bits, constrained, False, GPU, HAS_MASK)
             if full_end < end:
                 best, second, best_i = _approx_tile(lrow, full_end, lanes, end, rcp, base, best, second, best_i,
-                                                    True, GPU)
+                                                    mrow, n_bits, constrained, True, GPU, HAS_MASK)
             m = tl.max(best, axis=0)
             w = tl.min(tl.where(best == m, best_i, 2147483647), axis=0)
             sec = tl.max(tl.where(best_i == w, second, best), axis=0)  # best of everything but the winner
@@ -245,7 +274,8 @@ def _sample_chunk_kernel(
                 val = tl.div_rn(x, t) + _gumbel_exact(_uniform(base, w, GPU), GPU)
                 idx = w
             else:  # near-tie or special values: exact scores for the whole chunk
-                val, idx = _exact_chunk(lrow, start, end, lanes, t, base, BLOCK, GPU)
+                val, idx = _exact_chunk(lrow, start, end, lanes, t, base, mrow, n_bits, constrained, BLOCK, GPU,
+                                        HAS_MASK)
     if SINGLE:
         tl.store(OUT + row * stride_out, idx.to(tl.int64) + offset)
         if PARTIAL:
@@ -285,7 +315,8 @@ def sample_num_chunks(batch: int, vocab_size: int, device: torch.device | str = 
 
 
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
-           out: torch.Tensor | None = None, *, num_chunks: int | None = None,
+           out: torch.Tensor | None = None, *, bitmask: torch.Tensor | None = None,
+           mask_index: torch.Tensor | None = None, num_chunks: int | None = None,
            _force_exact: bool = False) -> torch.Tensor:
     """Gumbel-max sampling in one pass over the logits: the tokens of ``sample_ref`` without filters.
 
@@ -296,11 +327,16 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor
         temperatures: (B,) float32; rows with T <= 0 take the argmax of the logits.
         seeds, steps: (B,) int64 (int32 is sign-extended, like ``.long()``): noise seeds and output positions.
         out: optional (B,) int64 output buffer.
+        bitmask, mask_index: structured outputs' token masks, both or neither: (R, W) int32 words (bit t % 32 of
+            word t // 32 set = token t allowed) and (B,) int32, the bitmask row of each logits row (-1: none). A
+            masked row samples as ``sample_ref`` does after ``apply_token_bitmask`` (layers/logits_processing.py):
+            banned tokens and those >= 32 W are -inf.
         num_chunks: vocabulary chunks per row (default ``sample_num_chunks(B, V)``); the tokens do not depend on
             it. ``_force_exact`` skips the filter pass (tests).
     Returns (B,) int64 token ids. CUDA-graph safe: no host sync; launch sizes and allocations depend on shapes only.
     """
-    return _launch("sample", logits, temperatures, seeds, steps, out, False, None, 0, num_chunks, _force_exact)[0]
+    return _launch("sample", logits, temperatures, seeds, steps, out, False, None, 0, num_chunks, _force_exact,
+                   bitmask, mask_index)[0]
 
 
 def sample_partial(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
@@ -324,7 +360,8 @@ def sample_partial(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torc
     return scores, ids
 
 
-def _launch(fn, logits, temperatures, seeds, steps, out, partial, out_v, offset, num_chunks, force_exact):
+def _launch(fn, logits, temperatures, seeds, steps, out, partial, out_v, offset, num_chunks, force_exact,
+            bitmask=None, mask_index=None):
     """Validate and launch: the ids (+ offset) into ``out`` and, when ``partial``, the scores into ``out_v``."""
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise ValueError(f"{fn}: logits must be a (B, V) tensor, got "
@@ -348,6 +385,22 @@ def _launch(fn, logits, temperatures, seeds, steps, out, partial, out_v, offset,
     check_int(f"{fn}: seeds", seeds)
     check_int(f"{fn}: steps", steps)
     check_same_device(logits=logits, temperatures=temperatures, seeds=seeds, steps=steps)
+    has_mask = bitmask is not None or mask_index is not None
+    if has_mask:
+        if bitmask is None or mask_index is None:
+            raise ValueError(f"{fn}: bitmask and mask_index go together (got only "
+                             f"{'bitmask' if bitmask is not None else 'mask_index'})")
+        if not isinstance(bitmask, torch.Tensor) or bitmask.dim() != 2 or bitmask.dtype != torch.int32:
+            got = (tuple(bitmask.shape), bitmask.dtype) if isinstance(bitmask, torch.Tensor) else type(bitmask).__name__
+            raise ValueError(f"{fn}: bitmask must be an (R, W) int32 tensor, got {got}")
+        if (not isinstance(mask_index, torch.Tensor) or mask_index.shape != (B,)
+                or mask_index.dtype != torch.int32):
+            got = (tuple(mask_index.shape), mask_index.dtype) if isinstance(mask_index, torch.Tensor) \
+                else type(mask_index).__name__
+            raise ValueError(f"{fn}: mask_index must be a ({B},) int32 tensor, got {got}")
+        check_same_device(logits=logits, bitmask=bitmask, mask_index=mask_index)
+        bitmask = bitmask.contiguous()
+        mask_index = mask_index.contiguous()
     if out is None:
         out = torch.empty(B, dtype=torch.int64, device=logits.device)
     else:
@@ -379,12 +432,13 @@ def _launch(fn, logits, temperatures, seeds, steps, out, partial, out_v, offset,
         part_v = torch.empty(B * num_chunks, dtype=torch.float32, device=logits.device)
         part_i = torch.empty(B * num_chunks, dtype=torch.int32, device=logits.device)
     ov = out_v if partial else out  # unused unless partial
+    mask, mask_idx, words = (bitmask, mask_index, bitmask.shape[1]) if has_mask else (temperatures, temperatures, 0)
     _sample_chunk_kernel[(B, num_chunks)](
-        logits, temperatures, seeds, steps, part_v, part_i, out, ov, V, offset, per_chunk * BLOCK,
-        logits.stride(0), temperatures.stride(0), seeds.stride(0), steps.stride(0), out.stride(0), ov.stride(0),
-        _MARGIN_ABS, _MARGIN_REL,
+        logits, temperatures, seeds, steps, part_v, part_i, out, ov, mask, mask_idx, V, offset, per_chunk * BLOCK,
+        words, logits.stride(0), temperatures.stride(0), seeds.stride(0), steps.stride(0), out.stride(0),
+        ov.stride(0), _MARGIN_ABS, _MARGIN_REL,
         BLOCK=BLOCK, SINGLE=single, FORCE_EXACT=bool(force_exact), GPU=not interpreting(), PARTIAL=partial,
-        num_warps=NUM_WARPS,
+        HAS_MASK=has_mask, num_warps=NUM_WARPS,
     )
     if not single:
         _sample_reduce_kernel[(B,)](part_v, part_i, out, ov, num_chunks, offset, out.stride(0), ov.stride(0),

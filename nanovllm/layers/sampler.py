@@ -33,7 +33,7 @@ from torch import nn
 
 from nanovllm.distributed.group import TPGroup
 from nanovllm.engine.batch import LateInputs
-from nanovllm.layers.logits_processing import DeviceFeatures, SlotState, apply_late
+from nanovllm.layers.logits_processing import DeviceFeatures, SlotState, apply_late, mask_for_kernel
 from nanovllm.layers.ops import TORCH_OPS, Ops
 
 
@@ -221,18 +221,23 @@ class Sampler(nn.Module):
         out = SamplerOutput(token_ids=torch.empty(0))
         if t.max_logprobs is not None:  # of the raw logits (vLLM's default), before anything below changes them
             logp = torch.log_softmax(logits.float(), dim=-1)
+        fused = self.fused_sample is not None and not (t.need_top_k or t.need_top_p or t.need_min_p)
+        # structured outputs' bitmasks: inside the fused kernel (one pass over the logits) or as -inf before the
+        # torch paths. -inf commutes with the bias and penalties below (it stays -inf), so the order is the same
+        masks = {}
         if t.late is not None:  # masks and bans are -inf: exact in any dtype, no float32 copy for them
-            apply_late(logits, t.late, logits.device)
+            if fused and t.late.mask_rows:
+                masks = dict(zip(("bitmask", "mask_index"), mask_for_kernel(t.late, logits.shape[0], logits.device)))
+            apply_late(logits, t.late, logits.device, masks=not masks)
         if t.features is not None:
             logits = logits.float()  # (a copy unless float32 already)
             t.slot_state.apply(logits, t.features)
         if t.banned_rows is not None:
             logits[t.banned_rows, t.banned_tokens] = float("-inf")
-        filters = t.need_top_k or t.need_top_p or t.need_min_p
-        if t.all_greedy:
+        if t.all_greedy and not masks:
             out.token_ids = logits.argmax(dim=-1)
-        elif self.fused_sample is not None and not filters:
-            out.token_ids = self.fused_sample(logits, t.temperatures, t.seeds, t.steps)  # reads any float dtype
+        elif fused:  # reads any float dtype
+            out.token_ids = self.fused_sample(logits, t.temperatures, t.seeds, t.steps, **masks)
         else:
             out.token_ids = sample_ref(logits.float(), t.temperatures, t.seeds, t.steps,
                                        t.top_ks if t.need_top_k else None, t.top_ps if t.need_top_p else None,

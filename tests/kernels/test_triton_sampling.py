@@ -339,3 +339,79 @@ def test_package_exports(device):
     assert kernels.sample_partial is sample_partial
     got = ops.sample_partial(logits[:, 100:], temps, seeds, steps, vocab_start=100)
     assert got[1].tolist() == sample_partial_ref(logits[:, 100:], temps, seeds, steps, 100)[1].tolist()
+
+
+def _random_bitmask(R, W, seed, density=0.1):
+    """(R, W) int32 words with about `density` of the bits set, and at least one set bit per row."""
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.rand(R, W * 32, generator=g) < density
+    bits[torch.arange(R), torch.randint(W * 32, (R,), generator=g)] = True
+    weights = torch.tensor([1 << i for i in range(32)], dtype=torch.int64)
+    words = (bits.view(R, W, 32).long() * weights).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+@pytest.mark.parametrize("B,V,W,num_chunks,exact", [(8, 3000, 94, None, False), (6, 2049, 40, 3, False),
+                                                      (5, 2500, 79, 1, False), (8, 3000, 94, 2, True)])
+def test_bitmask_matches_masking_then_reference(device, B, V, W, num_chunks, exact):
+    # rows with a mask sample as sample_ref after apply_token_bitmask (banned tokens and those past 32 W at -inf);
+    # W = 40 covers only 1,280 of 2,049 ids; greedy rows (temperature <= 0) are masked too
+    from nanovllm.layers.logits_processing import apply_token_bitmask
+    logits, temps, seeds, steps = _inputs(B, V, seed=B * V, device=device)
+    rows = [r for r in range(B) if r % 3 != 1]
+    bitmask = _random_bitmask(len(rows), W, seed=W)
+    index = torch.full((B,), -1, dtype=torch.int32)
+    index[rows] = torch.arange(len(rows), dtype=torch.int32)
+    masked = logits.cpu().clone()
+    apply_token_bitmask(masked, torch.tensor(rows), bitmask)
+    want = sample_ref(masked, temps.cpu(), seeds.cpu(), steps.cpu()).tolist()
+    got = sample(logits, temps, seeds, steps, bitmask=bitmask.to(device), mask_index=index.to(device),
+                 num_chunks=num_chunks, _force_exact=exact)
+    assert got.tolist() == want
+    assert got.tolist() != sample(logits, temps, seeds, steps).tolist()  # the masks changed some rows
+    allowed = [torch.isfinite(masked[r]).nonzero().flatten().tolist() for r in rows]
+    assert all(got[r].item() in ok for r, ok in zip(rows, allowed))
+
+
+def test_bitmask_validation(device):
+    logits, temps, seeds, steps = _inputs(3, 300, seed=4, device=device)
+    mask = torch.zeros(2, 10, dtype=torch.int32, device=device)
+    index = torch.tensor([0, -1, 1], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="bitmask and mask_index go together"):
+        sample(logits, temps, seeds, steps, bitmask=mask)
+    with pytest.raises(ValueError, match="bitmask must be an \\(R, W\\) int32 tensor"):
+        sample(logits, temps, seeds, steps, bitmask=mask.long(), mask_index=index)
+    with pytest.raises(ValueError, match="mask_index must be a \\(3,\\) int32 tensor"):
+        sample(logits, temps, seeds, steps, bitmask=mask, mask_index=index[:2])
+
+
+def test_sampler_applies_late_masks_in_the_kernel(device):
+    """The Sampler with the fused kernel hands a deferred step's bitmask to it (the logits are not masked in place:
+    one pass) and samples the torch path's tokens; bans still apply as -inf."""
+    from dataclasses import replace
+
+    from nanovllm.engine.batch import LateInputs
+    from nanovllm.layers.ops import TORCH_OPS
+    from nanovllm.layers.sampler import Sampler
+    from tests.test_sampling import _tensors
+    V = 300
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(3)) * 2
+    bitmask = _random_bitmask(2, 10, seed=8, density=0.3)
+    late = LateInputs(mask_rows=[3, 0], bitmask=bitmask, banned=[(3, int(torch.isfinite(
+        _masked_row(logits, bitmask[0])).nonzero()[0]))])
+    ops = replace(TORCH_OPS, sample=sample)
+    for temps in ([0.0, 0.9, 1.3, 0.0], [0.0] * 4):
+        t = replace(_tensors(4, temps), late=late)
+        want = Sampler()(logits.clone(), t).token_ids.tolist()
+        td = type(t)(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(t).items()})
+        x = logits.to(device)
+        got = Sampler(ops)(x, td).token_ids.tolist()
+        assert got == want
+        assert torch.isfinite(x[0]).all()  # the mask went to the kernel, not into the logits
+
+
+def _masked_row(logits, words):
+    from nanovllm.layers.logits_processing import apply_token_bitmask
+    x = logits[:1].clone()
+    apply_token_bitmask(x, torch.tensor([0]), words[None])
+    return x[0]
