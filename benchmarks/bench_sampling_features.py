@@ -16,8 +16,10 @@ runs one after the other would read as a difference between modes.
 
 --host-only (no GPU needed) runs the engine with a stand-in for the model runner: no forward pass, each step's
 tokens drawn at random (a constrained row's from its bitmask, like noise from a random model), so the median is the
-engine's own host time per decode step (the stand-in's time is left out), with accept / fill medians for json. A
-GPU step overlaps the forward pass with this host work: json's host step must stay below plain's GPU step.
+engine's own host time per decode step (the stand-in's time is left out), with, for json, the medians of sending
+the grammar process its job (advance) and of waiting for its masks (masks: the part of its accept + fill that the
+engine's own work did not hide). A GPU step overlaps the forward pass with this host work: json's host step must
+stay below plain's GPU step.
 The engine flag --tokenizer DIR swaps in another tokenizer (a real one shows xgrammar's real mask cost).
 """
 from __future__ import annotations
@@ -71,8 +73,10 @@ class _NoiseStep:
 
     def sample(self, late) -> None:
         t = time.perf_counter()
-        if late.mask_rows:  # what the GPU would copy (the buffer is rewritten by the next fill)
-            self.late_rows, self.mask = late.mask_rows, late.bitmask.numpy().copy()
+        if late.mask_index is not None:  # what the GPU would copy (the buffer is rewritten by the next fill)
+            index = late.mask_index.numpy()
+            self.late_rows = np.nonzero(index >= 0)[0].tolist()
+            self.mask = late.bitmask.numpy()[index[self.late_rows]].copy()
         self.ex.own += time.perf_counter() - t
 
     def result(self) -> StepResult:
@@ -125,13 +129,14 @@ def _timed(f, sink: list[float]):
 
 
 def host_step_times(engine: HostOnlyEngine, prompts, params, timers: dict) -> list[float]:
-    """Host time of each pure decode step (the stand-in's left out); `timers` collects accept / fill times."""
+    """Host time of each pure decode step (the stand-in's left out); `timers` collects the grammar process's
+    advance (send a job) and masks (wait for its reply) times."""
     base = len(engine.requests)
     for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(f"r{base}-{i}", p, sp)
     so = engine._structured  # built by the first structured request
     if so is not None:
-        for name in ("accept", "fill"):
+        for name in ("advance", "masks"):  # sending a step's job; waiting for (and reading) the masks
             setattr(so, name, _timed(getattr(type(so), name).__get__(so), timers.setdefault(name, [])))
     times, broke = [], 0
     while engine.has_unfinished_requests():
@@ -216,8 +221,13 @@ def main(argv=None) -> dict:
         res[name] = statistics.median(times[name]) * 1e3
         parts = "".join(f", {k} {statistics.median(v) * 1e3:.3f}" for k, v in timers[name].items() if v)
         per_round = " / ".join(f"{r:.2f}" for r in rounds[name])
+        vs_plain = ""
+        if "plain" in res and name != "plain":  # also per round: plain and this mode ran back to back
+            paired = [r / p for r, p in zip(rounds[name], rounds["plain"])]
+            vs_plain = (f"  ({res[name] / res['plain']:.3f}x plain; per round "
+                        f"{' / '.join(f'{x:.2f}' for x in paired)}, median {statistics.median(paired):.3f}x)")
         print(f"{name:10s} {what} median {res[name]:.3f} ms over {len(times[name])} steps (rounds: {per_round})"
-              + parts + (f"  ({res[name] / res['plain']:.3f}x plain)" if "plain" in res and name != "plain" else ""))
+              + parts + vs_plain)
     (engine if args.host_only else llm).shutdown()
     shutil.rmtree(path, ignore_errors=True)
     return res

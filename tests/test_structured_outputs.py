@@ -99,41 +99,111 @@ def test_malformed_specs_are_value_errors(llm):
         StructuredOutputsParams(choice=[])
 
 
-def test_grammar_cache_is_keyed_by_the_spec(llm):
+def test_specs_are_keyed_by_their_text_and_compiled_once_in_the_grammar_process(llm):
     so = llm.engine.structured
     a = so.compile(StructuredOutputsParams(json=SCHEMA))
-    assert so.compile(StructuredOutputsParams(json=json.dumps(SCHEMA))) is a
-    assert so.compile(StructuredOutputsParams(json={**SCHEMA, "required": ["name"]})) is not a
+    assert so.compile(StructuredOutputsParams(json=json.dumps(SCHEMA))) == a
+    assert so.compile(StructuredOutputsParams(json={**SCHEMA, "required": ["name"]})) != a
+    spec = StructuredOutputsParams(regex=r"[0-9]{3}")
+    _gen(llm, spec, n_seeds=3, max_tokens=6)
+    before = so.stats()
+    outs = _gen(llm, spec, n_seeds=3, max_tokens=6)
+    assert all(re.fullmatch(r"[0-9]{3}", o.outputs[0].text) for o in outs)
+    # the same spec again: no new grammar; every finished sequence's matcher was dropped
+    assert so.stats() == before and before["matchers"] == 0
 
 
-def test_masks_cover_the_tokenizer_and_the_reused_buffer_matches_fresh_masks(llm):
-    """The grammar's vocabulary is the tokenizer's ids (the model's padding is no special token to xgrammar), and
-    fill's reused buffer (rewritten each step, grown when a step has more rows) gives xgrammar's fresh masks."""
+def _local(llm):
+    """An in-process xgrammar compiler over the engine's grammar vocabulary, to check the grammar process against."""
     import xgrammar as xgr
+    so = llm.engine.structured
+    info = xgr.TokenizerInfo.from_huggingface(llm.get_tokenizer(), vocab_size=so.num_tokens,
+                                              stop_token_ids=sorted(llm.engine.eos_token_ids))
+    return xgr.GrammarCompiler(info)
+
+
+def test_grammar_process_masks_match_xgrammar_in_process(llm):
+    """The grammar's vocabulary is the tokenizer's ids (the model's padding is no special token to xgrammar), and
+    the masks the grammar process writes into the shared buffer (rows of a fill in order; fewer rows, then more)
+    are xgrammar's own, step after step, as matchers here and there accept the same tokens."""
+    import xgrammar as xgr
+
+    from nanovllm.engine.grammar_worker import compile_spec
     so = llm.engine.structured
     tok = llm.get_tokenizer()
     assert llm.engine.vocab_size > len(tok) and so.num_tokens == len(tok)
+    compiler = _local(llm)
     specs = [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(regex=REGEX),
              StructuredOutputsParams(choice=CHOICES), StructuredOutputsParams(json_object=True),
              StructuredOutputsParams(regex=".*")]  # (allows any token: xgrammar sets the bits past the vocabulary)
-    matchers = [so.matcher(so.compile(s)) for s in specs for _ in range(2)]
+    local = {}
+    for i, spec in enumerate(specs * 2):
+        sid = 10**6 + i  # ids the engine's sequences do not reach
+        so.add(sid, so.compile(spec))
+        local[sid] = xgr.GrammarMatcher(compile_spec(compiler, *so.compile(spec)))
     g = torch.Generator().manual_seed(0)
+    tail = so.num_tokens % 32  # bits past the vocabulary: cleared (xgrammar may set them)
     for step in range(6):
-        live = [m for m in matchers if not m.is_terminated()]  # (the engine fills only these)
-        rows = live[:3] if step % 2 else live  # fewer rows, then more: views of one buffer
-        mask = so.fill(rows)
-        assert mask.shape == (len(rows), (len(tok) + 31) // 32)
-        tail = so.num_tokens % 32  # bits past the vocabulary: cleared (xgrammar may set them)
+        live = [sid for sid, m in local.items() if not m.is_terminated()]
+        want = live[:3] if step % 2 else live
+        pairs = [(sid, 2 * i + 1) for i, sid in enumerate(want)]  # logits rows 1, 3, 5...: the even ones plain
+        mask, index = so.masks(want, [r for _, r in pairs], 2 * len(want) + 1)
+        assert mask.shape == (len(want), (len(tok) + 31) // 32) and index.shape == (2 * len(want) + 1,)
+        assert index[::2].eq(-1).all() and sorted(index[1::2].tolist()) == list(range(len(want)))
         assert not (mask[:, -1] >> tail).any()
-        for i, m in enumerate(rows):
+        accepts = []
+        for sid, row in pairs:
             fresh = xgr.allocate_token_bitmask(1, so.num_tokens)
-            m.fill_next_token_bitmask(fresh)
+            local[sid].fill_next_token_bitmask(fresh)
             fresh[0, -1] &= (1 << tail) - 1
-            assert torch.equal(mask[i], fresh[0])
-        for i, m in enumerate(rows):  # advance each by a random allowed token
-            bits = [t for t in range(so.num_tokens) if mask[i, t // 32] >> (t % 32) & 1]
-            assert bits
-            assert so.accept([m], [bits[int(torch.randint(len(bits), (1,), generator=g))]]) == [True]
+            assert torch.equal(mask[index[row]], fresh[0])
+            bits = [t for t in range(so.num_tokens) if fresh[0, t // 32] >> (t % 32) & 1]
+            accepts.append((sid, bits[int(torch.randint(len(bits), (1,), generator=g))]))
+        so.advance([s for s, _ in accepts], [t for _, t in accepts], None)  # a random allowed token each
+        assert all(local[sid].accept_token(t) for sid, t in accepts)
+    assert not so.take_broken()
+    for sid in local:
+        so.drop(sid)
+    assert so.stats()["matchers"] == 0
+
+
+def test_a_token_that_breaks_its_grammar_and_a_grammar_that_fails_to_compile_are_reported(llm):
+    so = llm.engine.structured
+    so.add(2 * 10**6, so.compile(StructuredOutputsParams(choice=CHOICES)))
+    so.add(2 * 10**6 + 1, ("regex", "(unclosed"))  # past the checks: the child's compile fails
+    mask, index = so.masks([2 * 10**6, 2 * 10**6 + 1], [0, 1], 2)
+    assert index.tolist() == [0, -1]  # no mask without a grammar
+    bits = [t for t in range(so.num_tokens) if mask[0, t // 32] >> (t % 32) & 1]
+    bad = next(t for t in range(so.num_tokens) if t not in bits)
+    so.advance([2 * 10**6], [bad], None)
+    so.masks([2 * 10**6], [0], 1)
+    broken = so.take_broken()
+    assert broken[2 * 10**6] == "its token breaks its grammar"
+    assert broken[2 * 10**6 + 1].startswith("its grammar failed to compile")
+    so.drop(2 * 10**6)
+    so.drop(2 * 10**6 + 1)
+
+
+def test_the_engine_aborts_a_sequence_whose_grammar_broke(llm):
+    """A sequence reported broken (its token broke the grammar, or its grammar did not compile) finishes with
+    "abort" in the step that gave it a token; the other requests go on."""
+    eng = llm.engine
+    eng.add_request("broken", "Answer:", SamplingParams(temperature=1.0, seed=1, max_tokens=30,
+                                                      structured_outputs=StructuredOutputsParams(json=SCHEMA)))
+    eng.add_request("fine", "Answer:", SamplingParams(temperature=1.0, seed=2, max_tokens=5,
+                                                    structured_outputs=StructuredOutputsParams(regex=REGEX)))
+    seq = eng.requests["broken"][0]
+    done = {}
+    for step in range(40):
+        if step == 2:
+            eng.structured.broken[seq.seq_id] = "a test"
+        for out in eng.step()[0]:
+            if out.finished:
+                done[out.request_id] = out.finish_reason
+        if not eng.has_unfinished_requests():
+            break
+    assert done == {"broken": "abort", "fine": done["fine"]} and done["fine"] in ("stop", "length")
+    assert seq.num_output_tokens < 30 and eng.structured.stats()["matchers"] == 0
 
 
 def test_bitmask_narrower_than_the_vocabulary_bans_the_tail():
@@ -161,7 +231,7 @@ def test_late_masks_apply_in_the_logits_dtype():
     logits = torch.randn(4, V, generator=torch.Generator().manual_seed(1)).bfloat16()
     mask = torch.zeros(2, 3, dtype=torch.int32)
     mask[0, 0], mask[1, 2] = 0b110, 0b1011  # row 1: ids 1, 2; row 3: ids 64, 65, 67
-    late = LateInputs(mask_rows=[1, 3], bitmask=mask, banned=[(3, 65)])
+    late = LateInputs(bitmask=mask, mask_index=torch.tensor([-1, 0, -1, 1], dtype=torch.int32), banned=[(3, 65)])
     for temps in ([1.0], [0.0]):
         t = replace(_tensors(4, temps), late=late)
         want = Sampler()(logits.float(), t).token_ids
@@ -179,7 +249,7 @@ class _FakeBatch:
     def __init__(self, threads, log, clock, cost):
         self.threads, self.log, self.clock, self.cost = threads, log, clock, cost
 
-    def batch_fill_next_token_bitmask(self, matchers, mask):
+    def batch_fill_next_token_bitmask(self, matchers, mask, indices=None):
         self.log.append(self.threads)
         self.clock[0] += self.cost[self.threads] * len(matchers)
 
@@ -187,7 +257,7 @@ class _FakeBatch:
 def _chooser(cost, threads=4):
     from types import SimpleNamespace
 
-    from nanovllm.engine.structured import FillChooser
+    from nanovllm.engine.grammar_worker import FillChooser
     log, clock = [], [0.0]
     xgr = SimpleNamespace(BatchGrammarMatcher=lambda t: _FakeBatch(t, log, clock, cost))
     return FillChooser(xgr, threads=threads, threads_from=1e-3, probe_every=8, clock=lambda: clock[0]), log
@@ -226,11 +296,12 @@ def test_fill_modes_give_the_same_masks(llm):
     """One thread or two, xgrammar's masks are the same (the chooser only picks the faster)."""
     import xgrammar as xgr
 
-    from nanovllm.engine.structured import FillChooser
+    from nanovllm.engine.grammar_worker import FillChooser, compile_spec
     so = llm.engine.structured
+    compiler = _local(llm)
     fc = FillChooser(xgr, threads=2, threads_from=0.0)  # every fill "costly": both modes run
     specs = [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(regex=REGEX)]
-    matchers = [so.matcher(so.compile(s)) for s in specs for _ in range(3)]
+    matchers = [xgr.GrammarMatcher(compile_spec(compiler, *so.compile(s))) for s in specs for _ in range(3)]
     masks = []
     for _ in range(2):
         mask = xgr.allocate_token_bitmask(len(matchers), so.num_tokens)

@@ -66,6 +66,11 @@ class SamplingBatch:
     # some row's token mask (structured outputs) or bans (multi-token bad words) depend on the previous step's
     # tokens: the runner stops before sampling until the engine hands them over (PendingStep.sample)
     deferred: bool = False
+    # the deferred rows: structured outputs' (seq_ids and logits rows, for the grammar process) and multi-token
+    # bad words' ((sequence, row) pairs)
+    grammar_sids: list[int] = field(default_factory=list)
+    grammar_rows: list[int] = field(default_factory=list)
+    bad_word_rows: list[tuple[object, int]] = field(default_factory=list)
     drafts: DraftBatch | None = None  # None: no sequence verifies draft tokens
 
 
@@ -119,10 +124,10 @@ class StepBatch:
 @dataclass
 class LateInputs:
     """What a deferred step's sampler gets once the previous step's tokens are known: structured outputs' token
-    bitmasks (xgrammar's int32 words, bit j of word w = token 32 w + j allowed) for `mask_rows`, and banned
-    (row, token) pairs (multi-token bad words)."""
-    mask_rows: list[int] = field(default_factory=list)
-    bitmask: object = None          # (len(mask_rows), W) int32 CPU tensor, or None; ids >= 32 W are never allowed
+    bitmasks (xgrammar's int32 words, bit j of word w = token 32 w + j allowed) with the bitmask row of each logits
+    row, and banned (row, token) pairs (multi-token bad words)."""
+    bitmask: object = None          # (R, W) int32 CPU tensor, or None; ids >= 32 W are never allowed
+    mask_index: object = None       # (num_logits,) int32 CPU tensor: row of `bitmask` for each logits row, -1: none
     banned: list[tuple[int, int]] = field(default_factory=list)
 
 
@@ -240,6 +245,11 @@ def build_step_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
             if seq.sampler_slot is not None:
                 for j in range(k + 1):
                     _add_features(fb, row + j, seq)
+            if seq.grammar is not None:
+                sb.grammar_sids.append(seq.seq_id)
+                sb.grammar_rows.append(row)
+            if seq.bad_word_ids:
+                sb.bad_word_rows.append((seq, row))
             sb.deferred |= seq.deferred_sampling
     if fb.rows:
         sb.features = fb

@@ -94,9 +94,11 @@ class LLMEngine:
         self.requests: dict[str, list[Sequence]] = {}   # request id -> its samples
         self.slots = SlotAllocator()
         self._structured = None  # StructuredOutputs, built at the first structured request
+        self._constrained: dict[int, Sequence] = {}  # seq_id -> the unfinished sequences with a grammar
         self.speculator = Speculator(self.config.speculative, self.config.max_model_len) \
             if self.config.speculative is not None else None
-        # async scheduling: the launched step whose tokens are not read yet, with its (seq, row) pairs
+        # async scheduling: the launched step whose tokens are not read yet: (handle, its (seq, row) pairs, (batch,
+        # seqs), whether it still has to be sampled: a deferred step is sampled in the next call, `_sample_inflight`)
         self._inflight: tuple | None = None
         self.async_scheduling = self.config.async_scheduling
         self._seq_ids = itertools.count()
@@ -163,6 +165,7 @@ class LLMEngine:
                 raise ValueError("structured_outputs need a tokenizer, and this engine has none")
             from nanovllm.engine.structured import StructuredOutputs
             self._structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                                 rows=self.config.max_num_seqs,
                                                  pin_memory=self.config.device.type == "cuda")
         return self._structured
 
@@ -189,7 +192,9 @@ class LLMEngine:
             seq.stream = stream
             seq.static_bias, seq.bad_word_ids = f.static_bias, f.bad_word_ids
             if f.grammar is not None:
-                seq.matcher = self.structured.matcher(f.grammar)
+                seq.grammar = f.grammar
+                self.structured.add(seq.seq_id, f.grammar)
+                self._constrained[seq.seq_id] = seq
             if (stream or p.stop_strings) and self.tokenizer is not None:
                 seq.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens)
             seq.arrival_time = now
@@ -212,7 +217,10 @@ class LLMEngine:
         if not seq.is_finished:
             self.scheduler.finish(seq, reason)
         self.slots.release(seq)
-        seq.matcher = None
+        if seq.grammar is not None:
+            self._structured.drop(seq.seq_id)
+            self._constrained.pop(seq.seq_id, None)
+            seq.grammar = None
 
     def abort_all(self) -> list[str]:
         """Drop every request, and the tokens of a launched step not read yet (after a step failed). Returns
@@ -278,46 +286,93 @@ class LLMEngine:
             num_prefill = sum(n for i, (s, n, k) in enumerate(zip(sched.seqs, sched.num_new_tokens, sched.num_drafts))
                               if not k and not (i < sched.num_decode and s.num_output_tokens))
             deferred = batch.sampling.deferred
-            # a deferred step stops before sampling: its masks / bans are filled below, once the tokens before it
-            # are known (engine/structured.py)
+            # a deferred step stops before sampling: its masks / bans are filled once the tokens before it are known
+            # (engine/structured.py): below without async scheduling, in the next call with it
+            self._sample_inflight()
             handle = self.runner.execute(batch) if sync and not deferred else self.runner.launch(batch)
             launched = (handle, sched, batch)
         for seq in drafted:  # the batch holds the drafts the scheduler took
             seq.draft_ids = []
         if self._inflight is not None:  # the previous step's tokens (its successor is already queued)
-            more, n = self._resolve_inflight()
+            # a deferred successor's grammar rows: the grammar process fills them while the rest of this runs
+            fill = None
+            if launched is not None and launched[2].sampling.grammar_sids:
+                sb = launched[2].sampling
+                fill = (sb.grammar_sids, sb.grammar_rows, launched[2].num_logits)
+            more, n = self._resolve_inflight(fill)
             advanced, num_sampled = _merge(advanced, more), num_sampled + n
         if launched is not None:
             handle, sched, batch = launched
             pending = self.scheduler.on_step_done(sched)
-            if batch.sampling.deferred:
-                handle.sample(late_inputs(pending, self._structured))
+            if batch.sampling.deferred and sync:
+                handle.sample(late_inputs(batch.sampling, batch.num_logits, self._structured))
             if not sync:
-                self._inflight = (handle, pending, (batch, sched.seqs))
+                self._inflight = (handle, pending, (batch, sched.seqs), batch.sampling.deferred)
             else:
                 result = handle.result() if batch.sampling.deferred else handle  # execute() gave the result itself
                 more, n = self._resolve(result, pending, (batch, sched.seqs))
                 advanced, num_sampled = _merge(advanced, more), num_sampled + n
         elif self.scheduler.has_unfinished() and not advanced and not num_sampled:
             raise RuntimeError("scheduler made no progress with requests pending (KV cache too small?)")
+        if self._structured is not None and self._structured.broken:
+            self._finish_broken(advanced)
         self.num_prompt_tokens += num_prefill
         self.num_generation_tokens += num_sampled
         if self.kv_events is not None:   # the blocks this step stored and evicted, as one batch
             self.kv_events.end_step()
         return advanced, num_prefill, num_sampled
 
-    def _resolve_inflight(self) -> tuple[Advanced, int]:
+    def _resolve_inflight(self, fill: tuple[list[int], list[int], int] | None = None) -> tuple[Advanced, int]:
         if self._inflight is None:
             return [], 0
-        handle, pending, step = self._inflight
+        self._sample_inflight()
+        handle, pending, step, _ = self._inflight
         self._inflight = None
-        return self._resolve(handle.result(), pending, step)
+        return self._resolve(handle.result(), pending, step, fill)
 
-    def _resolve(self, result, pending: list[tuple[Sequence, int]], step) -> tuple[Advanced, int]:
+    def _sample_inflight(self) -> None:
+        """Sample the deferred step in flight (async scheduling), if it is not yet. This waits for its masks from the
+        grammar process, whose job was sent when the tokens before it were read: the engine puts it off until the
+        next step is scheduled and built (or the step's tokens are needed), so the grammar work hides behind all
+        that host work, not only the previous step's stop checks."""
+        if self._inflight is not None and self._inflight[3]:
+            handle, pending, step, _ = self._inflight
+            handle.sample(late_inputs(step[0].sampling, step[0].num_logits, self._structured))
+            self._inflight = (handle, pending, step, False)
+
+    def _finish_broken(self, advanced: Advanced) -> None:
+        """Finish (abort) the sequences whose token broke their grammar, or whose grammar failed to compile in the
+        grammar process, once they are among this step's advanced sequences (so their outputs report it)."""
+        here = {seq.seq_id for seq, _, _ in advanced}
+        keep = {}
+        for sid, why in self._structured.take_broken().items():
+            seq = self._constrained.get(sid)
+            if seq is None or seq.is_finished:
+                continue
+            if sid not in here:  # no token this step: it is reported with its next one
+                keep[sid] = why
+                continue
+            logger.warning("request %s: %s; finishing it", seq.request_id, why)
+            if seq.pending_row is not None:  # the token of the step in flight is not its own any more
+                seq.token_ids.pop()
+                seq.pending_row = None
+            self._end(seq, "abort")
+        self._structured.broken.update(keep)
+
+    def _end(self, seq: Sequence, reason: str) -> None:
+        """Finish a sequence with `reason`; its request is done once all its samples are."""
+        self._finish(seq, reason)
+        if all(s.is_finished for s in self.requests.get(seq.request_id, ())):
+            self.requests.pop(seq.request_id, None)
+
+    def _resolve(self, result, pending: list[tuple[Sequence, int]], step,
+                 fill: tuple[list[int], list[int], int] | None = None) -> tuple[Advanced, int]:
         """Put a step's sampled tokens in place of its placeholders, then check each sequence for a stop. A sequence
         that verified drafts gets the accepted ones and one more token, checked one at a time; the accepted drafts
         count as computed (their K/V is in the cache). `step`: (the StepBatch, its sequences), for the prompt
-        log-probabilities it computed. Returns the sequences' new tokens (`Advanced`) and how many were emitted."""
+        log-probabilities it computed. `fill`: the next step's grammar rows (seq_ids, logits rows, its number of
+        rows), sent to the grammar process with this step's tokens. Returns the sequences' new tokens (`Advanced`)
+        and how many were emitted."""
         now = time.monotonic()
         batch, seqs = step
         if batch.prompt_lp_rows:
@@ -325,7 +380,7 @@ class LLMEngine:
         db = batch.sampling.drafts
         verified = {} if db is None else dict(zip(db.first_rows, zip(db.num_drafts, result.num_accepted)))
         advanced = []
-        broke = self._advance_matchers(result, pending)
+        self._advance_matchers(result, batch.sampling, fill)
         emitted = 0
         for seq, row in pending:
             if seq.is_finished:  # aborted while its step was in flight
@@ -336,7 +391,7 @@ class LLMEngine:
             seq.pending_row = None
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            reason = self._accept_token(seq, tok, result, row, seq.seq_id not in broke)
+            reason = self._accept_token(seq, tok, result, row)
             count = 1
             if verified and row in verified:  # the accepted drafts, then the token after them
                 num_drafts, accepted = verified[row]
@@ -351,21 +406,20 @@ class LLMEngine:
                     self.block_manager.register_full_blocks(seq)
             emitted += count
             if reason is not None:
-                self._finish(seq, reason)
-                if all(s.is_finished for s in self.requests.get(seq.request_id, ())):
-                    self.requests.pop(seq.request_id, None)
+                self._end(seq, reason)
             advanced.append((seq, start, count))
         return advanced, emitted
 
-    def _advance_matchers(self, result, pending: list[tuple[Sequence, int]]) -> set[int]:
-        """Advance the grammar matchers of a step's constrained sequences with their tokens, in one batched call
-        (xgrammar's threads: 256 matchers one by one cost more than a small model's decode step). Returns the ids
-        of the sequences whose token broke their grammar."""
-        live = [(seq, result.token_ids[row]) for seq, row in pending if seq.matcher is not None and not seq.is_finished]
-        if not live:
-            return set()
-        ok = self._structured.accept([seq.matcher for seq, _ in live], [tok for _, tok in live])
-        return {seq.seq_id for (seq, _), accepted in zip(live, ok) if not accepted}
+    def _advance_matchers(self, result, sb, fill: tuple[list[int], list[int], int] | None) -> None:
+        """Send a step's constrained tokens (`sb`: its SamplingBatch, whose grammar rows they are) to the grammar
+        process in one job, with the next step's rows to fill (`fill`), before anything else is done with them: the
+        child works while this process goes on. A token that breaks its grammar is found when the reply is read
+        (`_finish_broken`). The rows of sequences finished meanwhile go too: the child has dropped their matchers
+        or their grammar has ended, and their sequences ignore what it says of them."""
+        if self._structured is None or not (sb.grammar_sids or (fill and fill[0])):
+            return
+        toks = result.token_ids
+        self._structured.advance(sb.grammar_sids, [toks[r] for r in sb.grammar_rows], fill)
 
     @staticmethod
     def _record_prompt_logprobs(result, batch, seqs: list[Sequence]) -> None:
@@ -380,10 +434,9 @@ class LLMEngine:
                 result.prompt_top_ids[i][:want] if k and want else (),
                 result.prompt_top_logprobs[i][:want] if k and want else ()))
 
-    def _accept_token(self, seq: Sequence, tok: int, result, row: int, grammar_ok: bool = True) -> str | None:
-        """A new output token (row `row` of the step's result): record its logprobs, check for a stop and whether it
-        kept its grammar (`grammar_ok`: the matcher has already advanced, see `_advance_matchers`; a constrained
-        sequence never verifies drafts). Returns the reason to finish, if any."""
+    def _accept_token(self, seq: Sequence, tok: int, result, row: int) -> str | None:
+        """A new output token (row `row` of the step's result): record its logprobs and check for a stop (whether it
+        kept its grammar is the grammar process's answer: `_finish_broken`). Returns the reason to finish, if any."""
         p = seq.params
         if seq.logprobs is not None:
             k = p.logprobs
@@ -406,9 +459,6 @@ class LLMEngine:
                     return "stop"
         if n_out >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return "length"
-        if not grammar_ok:
-            logger.warning("request %s: token %d breaks its grammar; finishing it", seq.request_id, tok)
-            return "abort"
         return None
 
     def _make_output(self, seq: Sequence, now: float) -> StepOutput:
@@ -450,3 +500,5 @@ class LLMEngine:
         finally:
             if self.kv_events is not None:
                 self.kv_events.shutdown()
+            if getattr(self, "_structured", None) is not None:  # the grammar process
+                self._structured.close()

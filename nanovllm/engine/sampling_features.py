@@ -4,7 +4,7 @@ ids, the runner's state slots handed out and taken back, and a deferred step's L
     validate_request -> request_features(params)     ids in range, bad words tokenized, grammar compiled
     each step        -> SlotAllocator.assign(seqs)   a slot for each sequence that needs one, at its first sample
                         (build_step_batch sends each row's slot, and a new slot's set-up, in its FeatureBatch)
-    deferred step    -> late_inputs(rows)            bitmasks (structured outputs) and multi-token bad-word bans
+    deferred step    -> late_inputs(sb, ...)         bitmasks (structured outputs) and multi-token bad-word bans
     finish           -> SlotAllocator.release(seq)
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import heapq
 import logging
 from dataclasses import dataclass, field
 
-from nanovllm.engine.batch import LateInputs
+from nanovllm.engine.batch import LateInputs, SamplingBatch
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.sampling_params import SamplingParams
 
@@ -96,24 +96,19 @@ class SlotAllocator:
             seq.sampler_slot = None
 
 
-def late_inputs(rows: list[tuple[Sequence, int]], structured) -> LateInputs:
-    """A deferred step's masks and bans, from its sequences' now-known tokens: each matcher has accepted every
-    token up to the one this step samples (whose place holds PLACEHOLDER)."""
+def late_inputs(sb: SamplingBatch, num_rows: int, structured) -> LateInputs:
+    """A deferred step's masks and bans (`sb`: its SamplingBatch; `num_rows`: its logits rows), from its sequences'
+    now-known tokens: each matcher has accepted every token up to the one this step samples (whose place holds
+    PLACEHOLDER). Rows of sequences finished meanwhile may get masks too: their tokens are dropped."""
     late = LateInputs()
-    matchers = []
-    for seq, row in rows:
-        if seq.is_finished:
-            continue
-        if seq.matcher is not None and not seq.matcher.is_terminated():
-            late.mask_rows.append(row)
-            matchers.append(seq.matcher)
-        if seq.bad_word_ids:  # compare the output's tail (before this step's placeholder) with each prefix
+    if sb.grammar_sids:
+        late.bitmask, late.mask_index = structured.masks(sb.grammar_sids, sb.grammar_rows, num_rows)
+    for seq, row in sb.bad_word_rows:
+        if not seq.is_finished:  # the output's tail (before the placeholder) vs each word's prefix
             toks = seq.token_ids
             end = len(toks) - (toks[-1] == PLACEHOLDER)
             for word in seq.bad_word_ids:
                 k = len(word) - 1
                 if end - k >= seq.num_prompt_tokens and tuple(toks[end - k:end]) == word[:-1]:
                     late.banned.append((row, word[-1]))
-    if matchers:
-        late.bitmask = structured.fill(matchers)
     return late

@@ -50,12 +50,13 @@ class Sequence:
         self.prompt_logprobs: list[dict | None] | None = \
             [None] if params.prompt_logprobs is not None and index == 0 else None
         # sampler state (engine/sampling_features.py): the runner's slot of this sequence's penalty counts and
-        # biases (None: it uses none, or has not sampled yet), the bad words' token ids, the grammar matcher
+        # biases (None: it uses none, or has not sampled yet), the bad words' token ids, its grammar's spec
         self.sampler_slot: int | None = None
         self.slot_fresh = False               # the slot is new: the next step initialises it on the device
         self.static_bias: tuple[list[int], list[tuple[int, float]]] | None = None  # (allowed ids, (id, bias))
         self.bad_word_ids: list[tuple[int, ...]] = []  # multi-token bad words (one-token ones are in static_bias)
-        self.matcher = None                   # xgrammar GrammarMatcher (structured outputs)
+        self.grammar: tuple[str, str] | None = None  # structured outputs' spec key; the matcher is in the grammar
+                                                      # process (engine/grammar_worker.py)
         # speculative decoding (engine/spec/): the draft tokens proposed for this step, which the scheduler lets it
         # verify after its last token (never part of token_ids), and the speculator's per-sequence state
         self.draft_ids: list[int] = []
@@ -115,7 +116,7 @@ class Sequence:
     @property
     def deferred_sampling(self) -> bool:
         """Its next token's mask or bans depend on its last token (structured outputs, multi-token bad words)."""
-        return self.matcher is not None or bool(self.bad_word_ids)
+        return self.grammar is not None or bool(self.bad_word_ids)
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

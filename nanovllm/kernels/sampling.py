@@ -23,8 +23,9 @@ logits from HBM. So the streaming pass is a *filter* (~44 instructions per logit
 and the runner-up. If the chunk's best beats every other cheap score by more than ``_MARGIN_ABS + _MARGIN_REL *
 (|best| + |second|)`` (over twice the sum of two error bounds), it is the exact argmax too and only its exact score is
 recomputed (one element). Otherwise (near-ties, NaN, some +-inf cases; with continuous noise roughly 1e-4 of the
-chunks) the program re-scores its chunk exactly. Either way the partial (max, argmax) is exact. Greedy rows compare
-the raw logits.
+chunks) the program re-scores its chunk exactly. A chunk whose cheap scores are all -inf (every token banned by a
+structured-output bitmask, or -inf logits) needs neither: its exact scores are -inf too. Either way the partial
+(max, argmax) is exact. Greedy rows compare the raw logits.
 
 ``U`` takes the top 23 bits, so it is always in (0, 1): the noise is always finite.
 
@@ -269,7 +270,10 @@ def _sample_chunk_kernel(
             sec = tl.max(tl.where(best_i == w, second, best), axis=0)  # best of everything but the winner
             lead = (m - sec) > margin_abs + margin_rel * (tl.abs(m) + tl.abs(sec))
             ok = (m > sec) & ((sec == float("-inf")) | ((m == float("inf")) & (sec < 1e30)) | lead)
-            if ok:  # the cheap winner is the exact winner: recompute its exact score only
+            if m == float("-inf"):  # every cheap score is -inf (banned tokens, -inf logits; the noise is finite):
+                val = float("-inf")  # so is every exact one, and the first index wins, as in the exact pass
+                idx = start
+            elif ok:  # the cheap winner is the exact winner: recompute its exact score only
                 x = tl.load(lrow + w).to(tl.float32)
                 val = tl.div_rn(x, t) + _gumbel_exact(_uniform(base, w, GPU), GPU)
                 idx = w

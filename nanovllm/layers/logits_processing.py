@@ -156,23 +156,25 @@ class SlotState:
             self.counts.index_put_((f.slots, token_ids[f.rows]), ones, accumulate=True)
 
 
-def mask_for_kernel(late: LateInputs, num_rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A deferred step's bitmask as the fused sampling kernel takes it (nanovllm.kernels.sample): the (R, W) words on
-    the device and the (num_rows,) int32 bitmask row of each logits row, -1 for unconstrained rows."""
-    index = [-1] * num_rows
-    for i, row in enumerate(late.mask_rows):
-        index[row] = i
-    return late.bitmask.to(device, non_blocking=True), to_device(index, torch.int32, device)
+def mask_for_kernel(late: LateInputs, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A deferred step's bitmask as the fused sampling kernel takes it (nanovllm.kernels.sample): the (R, W) words and
+    the (num_logits,) int32 bitmask row of each logits row (-1: unconstrained), both copied to the device as they are
+    (asynchronous: the grammar process's buffer is page-locked on CUDA)."""
+    return late.bitmask.to(device, non_blocking=True), late.mask_index.to(device, non_blocking=True)
 
 
 def apply_late(logits: torch.Tensor, late: LateInputs, device: torch.device, masks: bool = True) -> None:
     """A deferred step's masks (unless `masks` is False: the sampling kernel applies them, `mask_for_kernel`) and
     bans (engine-filled once the previous step's tokens were known), in place. Every copy is asynchronous (the
-    bitmask is pinned on CUDA: engine/structured.py), so the host goes on to the next step while the forward pass
-    runs."""
-    if late.mask_rows and masks:
-        rows = to_device(late.mask_rows, torch.int64, device)
-        apply_token_bitmask(logits, rows, late.bitmask.to(device, non_blocking=True))
+    bitmask is pinned on CUDA: engine/grammar_worker.py), so the host goes on to the next step while the forward
+    pass runs."""
+    if late.mask_index is not None and masks:
+        rows = (late.mask_index >= 0).nonzero().flatten()
+        if rows.numel():
+            bitmask = late.bitmask[late.mask_index[rows].long()]
+            if device.type == "cuda":  # (pinned: a copy from pageable memory would wait for the forward pass)
+                rows, bitmask = rows.pin_memory(), bitmask.pin_memory()
+            apply_token_bitmask(logits, rows.to(device, non_blocking=True), bitmask.to(device, non_blocking=True))
     if late.banned:
         rows, tokens = pairs_to_device(late.banned, torch.int64, device)
         logits[rows, tokens] = float("-inf")

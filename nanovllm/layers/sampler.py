@@ -226,8 +226,8 @@ class Sampler(nn.Module):
         # torch paths. -inf commutes with the bias and penalties below (it stays -inf), so the order is the same
         masks = {}
         if t.late is not None:  # masks and bans are -inf: exact in any dtype, no float32 copy for them
-            if fused and t.late.mask_rows:
-                masks = dict(zip(("bitmask", "mask_index"), mask_for_kernel(t.late, logits.shape[0], logits.device)))
+            if fused and t.late.mask_index is not None:
+                masks = dict(zip(("bitmask", "mask_index"), mask_for_kernel(t.late, logits.device)))
             apply_late(logits, t.late, logits.device, masks=not masks)
         if t.features is not None:
             logits = logits.float()  # (a copy unless float32 already)

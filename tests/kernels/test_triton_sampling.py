@@ -397,8 +397,8 @@ def test_sampler_applies_late_masks_in_the_kernel(device):
     V = 300
     logits = torch.randn(4, V, generator=torch.Generator().manual_seed(3)) * 2
     bitmask = _random_bitmask(2, 10, seed=8, density=0.3)
-    late = LateInputs(mask_rows=[3, 0], bitmask=bitmask, banned=[(3, int(torch.isfinite(
-        _masked_row(logits, bitmask[0])).nonzero()[0]))])
+    late = LateInputs(bitmask=bitmask, mask_index=torch.tensor([1, -1, -1, 0], dtype=torch.int32),
+                      banned=[(3, int(torch.isfinite(_masked_row(logits, bitmask[0])).nonzero()[0]))])
     ops = replace(TORCH_OPS, sample=sample)
     for temps in ([0.0, 0.9, 1.3, 0.0], [0.0] * 4):
         t = replace(_tensors(4, temps), late=late)
@@ -415,3 +415,24 @@ def _masked_row(logits, words):
     x = logits[:1].clone()
     apply_token_bitmask(x, torch.tensor([0]), words[None])
     return x[0]
+
+
+def test_bitmask_banning_whole_chunks(device):
+    # the allowed ids all in the last of 3 chunks (the first two banned entirely: their partials are -inf without
+    # an exact pass), or a row with every id banned (the reference's argmax of -inf: id 0)
+    from nanovllm.layers.logits_processing import apply_token_bitmask
+    B, V, W = 4, 3000, 94
+    logits, temps, seeds, steps = _inputs(B, V, seed=21, device=device, temps=torch.tensor([0.8, 0.0, 1.1, 0.5]))
+    bits = torch.zeros(B, W * 32, dtype=torch.bool)
+    bits[:3, 2600:2990:7] = True
+    bits[1, 2000] = True  # greedy row: its one allowed id outside the last chunk too
+    weights = torch.tensor([1 << i for i in range(32)], dtype=torch.int64)
+    words = (bits.view(B, W, 32).long() * weights).sum(-1)
+    bitmask = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # row 3: nothing allowed
+    masked = logits.cpu().clone()
+    apply_token_bitmask(masked, torch.arange(B), bitmask)
+    want = sample_ref(masked, temps.cpu(), seeds.cpu(), steps.cpu()).tolist()
+    got = sample(logits, temps, seeds, steps, bitmask=bitmask.to(device),
+                 mask_index=torch.arange(B, dtype=torch.int32, device=device), num_chunks=3)
+    assert got.tolist() == want and want[3] == 0
+    assert all(2600 <= t < 2990 for t in want[::2]) and want[1] in range(2000, 2990)
