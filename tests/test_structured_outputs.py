@@ -309,3 +309,20 @@ def test_fill_modes_give_the_same_masks(llm):
         masks.append(mask)
     assert fc._cost[0] is not None and fc._cost[1] is not None   # both modes ran
     assert torch.equal(masks[0], masks[1]) and masks[0].any()
+
+
+def test_the_grammar_process_ends_with_the_engine(tiny_ckpt):
+    """shutdown() stops the child; its shared buffer's file was unlinked as soon as both processes mapped it."""
+    import glob
+    import os
+    before = set(glob.glob(os.path.join("/dev/shm", "nanovllm-bitmask-*")))
+    llm = LLM(tiny_ckpt("qwen3"), device="cpu", kvcache_block_size=16)
+    out = llm.generate(["Answer:"], SamplingParams(temperature=1.0, seed=0, max_tokens=10,
+                                                    structured_outputs=StructuredOutputsParams(choice=CHOICES)),
+                       use_tqdm=False)
+    assert out[0].outputs[0].text in CHOICES
+    child = llm.engine.structured.proc.proc
+    assert child.poll() is None
+    assert set(glob.glob(os.path.join("/dev/shm", "nanovllm-bitmask-*"))) == before
+    llm.shutdown()
+    assert child.wait(timeout=10) == 0
