@@ -326,3 +326,31 @@ def test_the_grammar_process_ends_with_the_engine(tiny_ckpt):
     assert set(glob.glob(os.path.join("/dev/shm", "nanovllm-bitmask-*"))) == before
     llm.shutdown()
     assert child.wait(timeout=10) == 0
+
+
+def test_a_dead_grammar_process_finishes_its_sequences_and_a_new_one_takes_over(llm):
+    """Killed mid-generation, the grammar process takes its constrained sequences with it (they finish "abort"); the
+    plain request beside them finishes normally, and the next structured request runs on a new process."""
+    eng = llm.engine
+    spec = StructuredOutputsParams(json=SCHEMA)
+    for i in range(2):
+        eng.add_request(f"kill-{i}", "Answer:", SamplingParams(temperature=1.0, seed=i, max_tokens=40,
+                                                             structured_outputs=spec))
+    eng.add_request("kill-plain", "Hello", SamplingParams(temperature=1.0, seed=5, max_tokens=12, ignore_eos=True))
+    old = eng.structured.proc
+    done = {}
+    for step in range(60):
+        if step == 3:
+            old.proc.kill()
+            old.proc.wait()
+        for out in eng.step()[0]:
+            if out.finished:
+                done[out.request_id] = out
+        if not eng.has_unfinished_requests():
+            break
+    assert {r: o.finish_reason for r, o in done.items()} == {"kill-0": "abort", "kill-1": "abort",
+                                                             "kill-plain": "length"}
+    assert len(done["kill-plain"].token_ids) == 12
+    assert eng.structured.proc is not old
+    outs = _gen(llm, StructuredOutputsParams(choice=CHOICES), n_seeds=2)
+    assert all(o["text"] in CHOICES and o["finish_reason"] == "stop" for o in outs)

@@ -199,6 +199,10 @@ def _views(path: str, rows: int, words: int) -> tuple[torch.Tensor, torch.Tensor
     return flat, flat[:rows], flat[rows:].view(rows, words)
 
 
+class GrammarProcessExited(RuntimeError):
+    """The grammar process is gone (killed, or it crashed): its matchers with it."""
+
+
 def _shm_dir() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
@@ -269,10 +273,14 @@ class GrammarProcess:
         except (BrokenPipeError, OSError, ValueError) as e:
             raise self._died() from e
 
-    def _died(self) -> RuntimeError:
-        code = self.proc.poll()
-        return RuntimeError(f"the grammar process (structured outputs) exited"
-                            f"{f' with code {code}' if code is not None else ''}; see its output above")
+    def _died(self) -> GrammarProcessExited:
+        try:
+            code = self.proc.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            code = None
+        self.in_flight = None
+        return GrammarProcessExited(f"the grammar process (structured outputs) exited"
+                                    f"{f' with code {code}' if code is not None else ''}")
 
     def _recv(self):
         try:

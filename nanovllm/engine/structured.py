@@ -23,13 +23,16 @@ are never allowed in a constrained row (apply_token_bitmask).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections import OrderedDict
 
 import torch
 
-from nanovllm.engine.grammar_worker import GrammarProcess, choice_ebnf
+from nanovllm.engine.grammar_worker import GrammarProcess, GrammarProcessExited, choice_ebnf
 from nanovllm.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "structured outputs need xgrammar: pip install 'nanovllm[structured]' (or pip install xgrammar)"
 CACHE_SIZE = 256  # checked specs remembered (least recently used dropped first)
@@ -80,7 +83,10 @@ def check_spec(spec: StructuredOutputsParams) -> None:
 
 class StructuredOutputs:
     """The engine's structured outputs: specs checked (cached), matchers in the grammar process, bitmasks for a step's
-    rows. Sequences are named by their seq_id; `rows`: the most rows a step samples (max_num_seqs)."""
+    rows. Sequences are named by their seq_id; `rows`: the most rows a step samples (max_num_seqs).
+
+    If the grammar process dies (killed, out of memory), its sequences are reported broken (the engine finishes
+    them) and a new one starts: the other requests, and the structured requests after it, go on."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids, rows: int, pin_memory: bool = False):
         xgr = _import_xgrammar()
@@ -92,8 +98,10 @@ class StructuredOutputs:
                                                   stop_token_ids=stops or None)
         self._checked: OrderedDict[tuple[str, str], None] = OrderedDict()
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        self.proc = GrammarProcess(info.serialize_json(), self.num_tokens, rows, threads=max(1, min(8, cpus // 2)),
-                                   pin_memory=pin_memory)
+        self._start = lambda: GrammarProcess(info.serialize_json(), self.num_tokens, rows,
+                                             threads=max(1, min(8, cpus // 2)), pin_memory=pin_memory)
+        self.proc = self._start()
+        self._live: set[int] = set()       # seq_ids with a matcher (added, not dropped)
         self.broken: dict[int, str] = {}   # seq_id -> why: its token broke the grammar, or its grammar failed
 
     def compile(self, spec: StructuredOutputsParams) -> tuple[str, str]:
@@ -110,17 +118,31 @@ class StructuredOutputs:
         return key
 
     def add(self, seq_id: int, key: tuple[str, str]) -> None:
+        self._live.add(seq_id)
         self.proc.add(seq_id, *key)
 
     def drop(self, seq_id: int) -> None:
+        self._live.discard(seq_id)
         self.proc.drop(seq_id)
+
+    def _lost(self, e: GrammarProcessExited) -> None:
+        """The grammar process died: its sequences are broken, a new process takes the next ones."""
+        logger.error("%s: finishing its %d constrained sequences; starting a new one", e, len(self._live))
+        for sid in self._live:
+            self.broken[sid] = str(e)
+        self._live.clear()
+        self.proc.close()
+        self.proc = self._start()
 
     def advance(self, sids: list[int], tokens: list[int], fill: tuple[list[int], list[int], int] | None) -> None:
         """Send the job for a step's tokens: matcher sids[i] accepts tokens[i]; then, with `fill` (the next step's
         constrained seq_ids and their logits rows, already launched, and its number of rows), their masks are
         filled. The reply is read when the masks are wanted (`masks`), or before the next job."""
-        self._collect()
-        self.proc.submit(sids, tokens, *(fill if fill is not None else ([], [], 0)))
+        try:
+            self._collect()
+            self.proc.submit(sids, tokens, *(fill if fill is not None else ([], [], 0)))
+        except GrammarProcessExited as e:  # the tokens went with the matchers: their sequences are broken
+            self._lost(e)
 
     def _collect(self) -> tuple | None:
         """Read the reply of the job in flight, if any (noting the broken sequences); returns its fill (sids, logits
@@ -140,10 +162,15 @@ class StructuredOutputs:
         job in flight's if it filled these very lists, else a new job's. Returns the (n, W) int32 bitmask and the
         (num_rows,) int32 bitmask row of each logits row (-1: none; also for a sequence whose grammar has ended or
         failed): views of the shared buffer, valid until the next job."""
-        job = self._collect()
-        if job is None or job[0] is not sids or job[1] is not rows or job[2] != num_rows:
-            self.proc.submit([], [], sids, rows, num_rows)
+        try:
             job = self._collect()
+            if job is None or job[0] is not sids or job[1] is not rows or job[2] != num_rows:
+                self.proc.submit([], [], sids, rows, num_rows)
+                self._collect()
+        except GrammarProcessExited as e:
+            self._lost(e)
+            self.proc.submit([], [], sids, rows, num_rows)  # a new process: no matchers, so no masks
+            self._collect()
         return self.proc.mask[:len(sids)], self.proc.index[:num_rows]
 
     def stats(self) -> dict:
