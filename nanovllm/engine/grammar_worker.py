@@ -5,7 +5,8 @@ Why a process: every step each constrained sequence's matcher accepts its new to
 its next token: ~1 ms for 256 JSON rows on an H200 host (2026-12-01), C++ work during which xgrammar holds the GIL,
 so on a thread it could not run beside the engine's Python. In a child process it does. The engine sends the job
 as soon as step N's tokens are read, with the rows of step N + 1 (already launched) to fill; it then does N's stop
-checks and outputs, and collects the masks when N + 1's sampler needs them (engine/llm_engine.py).
+checks and outputs, schedules and builds step N + 2, and only then collects the masks and samples N + 1
+(engine/llm_engine.py `_sample_inflight`).
 
     engine: GrammarProcess                          child: serve()
     add(sid, kind, text) / drop(sid)   (queued, sent with the next job)
