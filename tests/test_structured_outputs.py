@@ -354,3 +354,21 @@ def test_a_dead_grammar_process_finishes_its_sequences_and_a_new_one_takes_over(
     assert eng.structured.proc is not old
     outs = _gen(llm, StructuredOutputsParams(choice=CHOICES), n_seeds=2)
     assert all(o["text"] in CHOICES and o["finish_reason"] == "stop" for o in outs)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_schemas_hold_through_preemption(tiny_ckpt, async_scheduling):
+    """A KV cache too small for the batch preempts constrained sequences (their tokens recomputed later): each
+    matcher keeps its state, and every finished output still validates."""
+    llm = LLM(tiny_ckpt("qwen3"), device="cpu", kvcache_block_size=16, num_kvcache_blocks=34, max_model_len=512,
+              async_scheduling=async_scheduling)
+    spec = StructuredOutputsParams(json=SCHEMA)
+    ps = [SamplingParams(temperature=1.0, seed=s, max_tokens=150, structured_outputs=spec) for s in range(6)]
+    ps += [SamplingParams(temperature=1.0, seed=9, max_tokens=100, ignore_eos=True)] * 3
+    outs = llm.generate(["Answer: " * 20] * 9, ps, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].finish_reason for o in outs] == ["stop"] * 6 + ["length"] * 3
+    for o in outs[:6]:
+        check_schema(o.outputs[0].text)
+    assert llm.engine.structured.stats()["matchers"] == 0
+    llm.shutdown()
