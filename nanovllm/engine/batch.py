@@ -67,10 +67,10 @@ class SamplingBatch:
     # tokens: the runner stops before sampling until the engine hands them over (PendingStep.sample)
     deferred: bool = False
     # the deferred rows: structured outputs' (seq_ids and logits rows, for the grammar process) and multi-token
-    # bad words' ((sequence, row) pairs)
+    # bad words' (logits rows)
     grammar_sids: list[int] = field(default_factory=list)
     grammar_rows: list[int] = field(default_factory=list)
-    bad_word_rows: list[tuple[object, int]] = field(default_factory=list)
+    bad_word_rows: list[int] = field(default_factory=list)
     drafts: DraftBatch | None = None  # None: no sequence verifies draft tokens
 
 
@@ -249,7 +249,7 @@ def build_step_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
                 sb.grammar_sids.append(seq.seq_id)
                 sb.grammar_rows.append(row)
             if seq.bad_word_ids:
-                sb.bad_word_rows.append((seq, row))
+                sb.bad_word_rows.append(row)
             sb.deferred |= seq.deferred_sampling
     if fb.rows:
         sb.features = fb

@@ -94,7 +94,6 @@ class LLMEngine:
         self.requests: dict[str, list[Sequence]] = {}   # request id -> its samples
         self.slots = SlotAllocator()
         self._structured = None  # StructuredOutputs, built at the first structured request
-        self._constrained: dict[int, Sequence] = {}  # seq_id -> the unfinished sequences with a grammar
         self.speculator = Speculator(self.config.speculative, self.config.max_model_len) \
             if self.config.speculative is not None else None
         # async scheduling: the launched step whose tokens are not read yet: (handle, its (seq, row) pairs, (batch,
@@ -194,7 +193,6 @@ class LLMEngine:
             if f.grammar is not None:
                 seq.grammar = f.grammar
                 self.structured.add(seq.seq_id, f.grammar)
-                self._constrained[seq.seq_id] = seq
             if (stream or p.stop_strings) and self.tokenizer is not None:
                 seq.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens)
             seq.arrival_time = now
@@ -219,7 +217,6 @@ class LLMEngine:
         self.slots.release(seq)
         if seq.grammar is not None:
             self._structured.drop(seq.seq_id)
-            self._constrained.pop(seq.seq_id, None)
             seq.grammar = None
 
     def abort_all(self) -> list[str]:
@@ -305,7 +302,7 @@ class LLMEngine:
             handle, sched, batch = launched
             pending = self.scheduler.on_step_done(sched)
             if batch.sampling.deferred and sync:
-                handle.sample(late_inputs(batch.sampling, batch.num_logits, self._structured))
+                handle.sample(late_inputs(batch, sched.seqs, self._structured))
             if not sync:
                 self._inflight = (handle, pending, (batch, sched.seqs), batch.sampling.deferred)
             else:
@@ -337,20 +334,21 @@ class LLMEngine:
         that host work, not only the previous step's stop checks."""
         if self._inflight is not None and self._inflight[3]:
             handle, pending, step, _ = self._inflight
-            handle.sample(late_inputs(step[0].sampling, step[0].num_logits, self._structured))
+            handle.sample(late_inputs(*step, self._structured))
             self._inflight = (handle, pending, step, False)
 
     def _finish_broken(self, advanced: Advanced) -> None:
         """Finish (abort) the sequences whose token broke their grammar, or whose grammar failed to compile in the
         grammar process, once they are among this step's advanced sequences (so their outputs report it)."""
-        here = {seq.seq_id for seq, _, _ in advanced}
+        here = {seq.seq_id: seq for seq, _, _ in advanced}
         keep = {}
         for sid, why in self._structured.take_broken().items():
-            seq = self._constrained.get(sid)
-            if seq is None or seq.is_finished:
+            seq = here.get(sid)
+            if seq is None:  # no token this step: reported with its next one, unless it has finished
+                if self._structured.is_live(sid):
+                    keep[sid] = why
                 continue
-            if sid not in here:  # no token this step: it is reported with its next one
-                keep[sid] = why
+            if seq.is_finished:
                 continue
             logger.warning("request %s: %s; finishing it", seq.request_id, why)
             if seq.pending_row is not None:  # the token of the step in flight is not its own any more

@@ -4,7 +4,7 @@ ids, the runner's state slots handed out and taken back, and a deferred step's L
     validate_request -> request_features(params)     ids in range, bad words tokenized, grammar compiled
     each step        -> SlotAllocator.assign(seqs)   a slot for each sequence that needs one, at its first sample
                         (build_step_batch sends each row's slot, and a new slot's set-up, in its FeatureBatch)
-    deferred step    -> late_inputs(sb, ...)         bitmasks (structured outputs) and multi-token bad-word bans
+    deferred step    -> late_inputs(batch, seqs)     bitmasks (structured outputs) and multi-token bad-word bans
     finish           -> SlotAllocator.release(seq)
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import heapq
 import logging
 from dataclasses import dataclass, field
 
-from nanovllm.engine.batch import LateInputs, SamplingBatch
+from nanovllm.engine.batch import LateInputs, StepBatch
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.sampling_params import SamplingParams
 
@@ -96,14 +96,16 @@ class SlotAllocator:
             seq.sampler_slot = None
 
 
-def late_inputs(sb: SamplingBatch, num_rows: int, structured) -> LateInputs:
-    """A deferred step's masks and bans (`sb`: its SamplingBatch; `num_rows`: its logits rows), from its sequences'
-    now-known tokens: each matcher has accepted every token up to the one this step samples (whose place holds
-    PLACEHOLDER). Rows of sequences finished meanwhile may get masks too: their tokens are dropped."""
+def late_inputs(batch: StepBatch, seqs: list[Sequence], structured) -> LateInputs:
+    """A deferred step's masks and bans (`seqs`: the step's sequences, in batch order), from its sequences' now-known
+    tokens: each matcher has accepted every token up to the one this step samples (whose place holds PLACEHOLDER).
+    Rows of sequences finished meanwhile may get masks too: their tokens are dropped."""
     late = LateInputs()
+    sb = batch.sampling
     if sb.grammar_sids:
-        late.bitmask, late.mask_index = structured.masks(sb.grammar_sids, sb.grammar_rows, num_rows)
-    for seq, row in sb.bad_word_rows:
+        late.bitmask, late.mask_index = structured.masks(sb.grammar_sids, sb.grammar_rows, batch.num_logits)
+    for row in sb.bad_word_rows:
+        seq = seqs[batch.logits_seqs[row]]
         if not seq.is_finished:  # the output's tail (before the placeholder) vs each word's prefix
             toks = seq.token_ids
             end = len(toks) - (toks[-1] == PLACEHOLDER)

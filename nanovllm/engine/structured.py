@@ -125,12 +125,15 @@ class StructuredOutputs:
         self._live.discard(seq_id)
         self.proc.drop(seq_id)
 
+    def is_live(self, seq_id: int) -> bool:
+        """The sequence has a matcher (added, not dropped: it has not finished)."""
+        return seq_id in self._live
+
     def _lost(self, e: GrammarProcessExited) -> None:
         """The grammar process died: its sequences are broken, a new process takes the next ones."""
         logger.error("%s: finishing its %d constrained sequences; starting a new one", e, len(self._live))
-        for sid in self._live:
+        for sid in self._live:  # (still live: each is dropped when the engine finishes it)
             self.broken[sid] = str(e)
-        self._live.clear()
         self.proc.close()
         self.proc = self._start()
 

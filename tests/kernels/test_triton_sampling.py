@@ -341,14 +341,20 @@ def test_package_exports(device):
     assert got[1].tolist() == sample_partial_ref(logits[:, 100:], temps, seeds, steps, 100)[1].tolist()
 
 
+def _pack_bits(bits):
+    """(R, 32 W) bool -> (R, W) int32 words, bit t % 32 of word t // 32 = token t (xgrammar's layout)."""
+    R, n = bits.shape
+    weights = torch.tensor([1 << i for i in range(32)], dtype=torch.int64)
+    words = (bits.view(R, n // 32, 32).long() * weights).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
 def _random_bitmask(R, W, seed, density=0.1):
     """(R, W) int32 words with about `density` of the bits set, and at least one set bit per row."""
     g = torch.Generator().manual_seed(seed)
     bits = torch.rand(R, W * 32, generator=g) < density
     bits[torch.arange(R), torch.randint(W * 32, (R,), generator=g)] = True
-    weights = torch.tensor([1 << i for i in range(32)], dtype=torch.int64)
-    words = (bits.view(R, W, 32).long() * weights).sum(-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return _pack_bits(bits)
 
 
 @pytest.mark.parametrize("B,V,W,num_chunks,exact", [(8, 3000, 94, None, False), (6, 2049, 40, 3, False),
@@ -426,9 +432,7 @@ def test_bitmask_banning_whole_chunks(device):
     bits = torch.zeros(B, W * 32, dtype=torch.bool)
     bits[:3, 2600:2990:7] = True
     bits[1, 2000] = True  # greedy row: its one allowed id outside the last chunk too
-    weights = torch.tensor([1 << i for i in range(32)], dtype=torch.int64)
-    words = (bits.view(B, W, 32).long() * weights).sum(-1)
-    bitmask = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # row 3: nothing allowed
+    bitmask = _pack_bits(bits)  # row 3: nothing allowed
     masked = logits.cpu().clone()
     apply_token_bitmask(masked, torch.arange(B), bitmask)
     want = sample_ref(masked, temps.cpu(), seeds.cpu(), steps.cpu()).tolist()
