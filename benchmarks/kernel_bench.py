@@ -59,7 +59,7 @@ import torch.nn.functional as F  # noqa: E402
 from nanovllm.engine.gemm_plan import graph_seconds  # noqa: E402
 from nanovllm.kernels.moe import fused_moe, moe_down, moe_gate_up  # noqa: E402
 from nanovllm.kernels.moe_configs import GemmTile, MoEConfig, moe_config  # noqa: E402
-from nanovllm.kernels.moe_routing import moe_align, moe_route  # noqa: E402
+from nanovllm.kernels.moe_routing import moe_route, moe_route_align  # noqa: E402
 from nanovllm.layers.moe_ref import fused_moe_ref  # noqa: E402
 from nanovllm.layers.quantization import fp8_ref  # noqa: E402
 
@@ -322,10 +322,10 @@ def layer_seconds(x, logits, w13, w2, k, cfg: MoEConfig) -> float:
                              for (a, sa), (b, sb) in zip(w13, w2)], len(w13))
 
 
-def sweep_block(x, logits, weights, ids, w13, w2, k: int, block_m: int):
+def sweep_block(x, logits, weights, w13, w2, k: int, block_m: int):
     """The best tile of each GEMM on the layout of `block_m`-row blocks, then the whole layer with them:
     (layer seconds, config, gate_up seconds, down seconds, blocks in the layout)."""
-    layout = moe_align(ids, w13[0][0].shape[0], block_m)
+    _, _, layout = moe_route_align(logits, k, True, block_m)  # (the same weights and ids as the caller's)
     up_tiles, down_tiles = tiles(block_m, 2), tiles(block_m, 1)
     with ThreadPoolExecutor(16) as pool:  # compile side by side (the compiler runs in subprocesses)
         list(pool.map(lambda t: _try(lambda: moe_gate_up(x, w13[0][0], layout, k, t, w13[0][1])), up_tiles))
@@ -370,7 +370,7 @@ def bench_moe(ns) -> dict:
         weights, ids = moe_route(logits, k, True)
         touched = torch.unique(ids).numel()
         t0 = time.perf_counter()
-        total, cfg, t_gu, t_dn, nb = min((sweep_block(x, logits, weights, ids, w13, w2, k, bm)
+        total, cfg, t_gu, t_dn, nb = min((sweep_block(x, logits, weights, w13, w2, k, bm)
                                           for bm in block_ms(M)), key=lambda r: r[0])
         current = moe_config(M, E, H, inter)
         t_cur = layer_seconds(x, logits, w13, w2, k, current)

@@ -125,7 +125,7 @@ def test_kernel_bench_moe_sweep_block(monkeypatch):
     E, H, inter, k, T = 4, 32, 16, 2, 6
     x = torch.randn(T, H, generator=g)
     logits = torch.randn(T, E, generator=g)
-    weights, ids = kernel_bench.moe_route(logits, k, True)
+    weights, _ = kernel_bench.moe_route(logits, k, True)
     w13 = [(0.1 * torch.randn(E, 2 * inter, H, generator=g), None)]
     w2 = [(0.1 * torch.randn(E, H, inter, generator=g), None)]
     slow, fast = GemmTile(16, 16, 4, 2), GemmTile(32, 16, 4, 2)
@@ -136,7 +136,7 @@ def test_kernel_bench_moe_sweep_block(monkeypatch):
         runs.append(fn())
         return 1.0 if len(runs) % 2 else 0.5  # the second candidate of each GEMM is faster
     monkeypatch.setattr(kernel_bench, "_seconds", seconds)
-    total, cfg, t_up, t_down, nb = kernel_bench.sweep_block(x, logits, weights, ids, w13, w2, k, 16)
+    total, cfg, t_up, t_down, nb = kernel_bench.sweep_block(x, logits, weights, w13, w2, k, 16)
     assert cfg.block_m == 16 and cfg.gate_up == fast and cfg.down == fast and (t_up, t_down) == (0.5, 0.5)
     assert len(runs) == 5 and nb >= 1  # two candidates per GEMM, then the layer
 

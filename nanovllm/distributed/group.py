@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from nanovllm.layers.moe_ref import ExpertRows
+
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -46,7 +48,12 @@ class TPGroup:
 
         With two ranks, the symmetric-memory reducer and the Triton kernels (``norm.ops.fused``), the reduction
         runs inside the norm kernel (``SymmMemAllReduce.add_rms_norm_``); otherwise it is an all-reduce followed
-        by the norm."""
+        by the norm. On one rank `partial` may be a mixture of experts' `ExpertRows`: the norm's add sums them."""
+        if isinstance(partial, ExpertRows):
+            if self.size != 1:
+                raise ValueError(f"uncombined expert rows reach a {self.size}-rank reduction; only one rank sums "
+                                 "them in its norm")
+            return norm(partial.rows, residual, rows_per_token=partial.top_k)
         if self.size == 1:
             return norm(partial, residual)
         r = self.reducer

@@ -2,8 +2,8 @@
 moe_routing``), two grouped GEMMs and the combine. Reference: ``nanovllm.layers.moe_ref`` (``fused_moe_ref`` and
 one function per step below).
 
-    moe_route    (T, E) logits -> top-k weights (T, k) float32 and expert ids (T, k)
-    moe_align    ids -> pairs sorted by expert in blocks of BLOCK_M rows (MoELayout)
+    moe_route_align  (T, E) logits -> top-k weights (T, k) float32, expert ids (T, k), and the pairs sorted by
+                 expert in blocks of BLOCK_M rows (MoELayout)
     moe_gate_up  per block: x rows of its pairs @ w13[e].T -> silu(gate) * up, (rows, I) in x's dtype
     moe_down     per block: those rows @ w2[e].T * the pair's routing weight -> row t * k + j of (T * k, H)
     moe_combine  out[t] = sum over j in order 0 .. k-1 of row t * k + j, in float32 (deterministic: no atomics)
@@ -30,7 +30,7 @@ from nanovllm.kernels._common import (
     upcast_dots,
 )
 from nanovllm.kernels.moe_configs import GemmTile, MoEConfig, config_buckets, moe_config
-from nanovllm.kernels.moe_routing import moe_align, moe_route
+from nanovllm.kernels.moe_routing import moe_route_align
 from nanovllm.layers.moe_ref import MoELayout
 
 FP8 = torch.float8_e4m3fn
@@ -269,14 +269,17 @@ def moe_combine(pairs: torch.Tensor, top_k: int, out: torch.Tensor | None = None
 def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
               renormalize: bool, out: torch.Tensor | None = None, *, config: MoEConfig | None = None,
               w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-              block: tuple[int, int] | None = None) -> torch.Tensor:
+              block: tuple[int, int] | None = None, combine: bool = True) -> torch.Tensor:
     """The mixture-of-experts feed-forward (T, H), as ``fused_moe_ref``: x (T, H); router_logits (T, E);
     w13 (E, 2I, H) and w2 (E, H, I) contiguous in x's dtype (I: this rank's slice: the result is then its partial
     sum), or e4m3 with their float32 per-row scales w13_scale (E, 2I) and w2_scale (E, H) (weight-only FP8: the
     activations stay in x's dtype), or with `block` (bn, bk) per-tile scales (E, 2I / bn, H / bk) and (E, H / bn,
     I / bk) (a block-FP8 checkpoint's); into `out` ((T, H) contiguous, x's dtype) when given. config None: from
-    the table (moe_config)."""
+    the table (moe_config). combine=False: the (T * top_k, H) weighted expert rows, for the add + RMSNorm that
+    follows to sum (``add_rms_norm(..., rows_per_token=top_k)``); no `out` then."""
     fn = "fused_moe"
+    if not combine and out is not None:
+        raise ValueError(f"{fn}: combine=False returns the expert rows; it takes no out")
     check_float(f"{fn}: x", x)
     if (w13_scale is None) != (w2_scale is None):
         raise ValueError(f"{fn}: w13_scale and w2_scale come together (FP8 experts) or not at all")
@@ -304,16 +307,18 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     _rows_contiguous(f"{fn}: w13", w13)
     _rows_contiguous(f"{fn}: w2", w2)
     if out is None:
-        out = torch.empty(T, H, dtype=x.dtype, device=x.device)
+        out = torch.empty(T, H, dtype=x.dtype, device=x.device) if combine else None
     elif tuple(out.shape) != (T, H) or out.dtype != x.dtype or not out.is_contiguous():
         raise ValueError(f"{fn}: out must be ({T}, {H}) {x.dtype} contiguous, got {tuple(out.shape)} {out.dtype}")
-    check_same_device(x=x, router_logits=router_logits, w13=w13, w2=w2, out=out)
+    check_same_device(x=x, router_logits=router_logits, w13=w13, w2=w2)
+    if out is not None:
+        check_same_device(x=x, out=out)
     if config is None:
         config = moe_config(T, E, H, two_i // 2)
-    weights, ids = moe_route(router_logits, top_k, renormalize)
-    layout = moe_align(ids, E, config.block_m)
+    weights, _, layout = moe_route_align(router_logits, top_k, renormalize, config.block_m)
     inter = moe_gate_up(x, w13, layout, top_k, config.gate_up, w13_scale, block)
-    return moe_combine(moe_down(inter, w2, layout, weights, config.down, w2_scale, block), top_k, out)
+    rows = moe_down(inter, w2, layout, weights, config.down, w2_scale, block)
+    return moe_combine(rows, top_k, out) if combine else rows
 
 
 def fused_moe_compile(w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool,

@@ -1,9 +1,11 @@
-"""RMSNorm and fused residual-add + RMSNorm.
+"""RMSNorm and fused residual-add + RMSNorm; the add can first sum a mixture of experts' uncombined rows (each
+token's top-k weighted expert outputs: ``rows_per_token``), so the MoE layer needs no combine launch of its own.
 
 Rounding follows the torch reference (``nanovllm.layers.layernorm``) op for op: the residual sum is rounded to
 its dtype, the normalization runs in float32, the normalized value is rounded to the input dtype, then scaled by
-the weight and rounded to the output dtype (``promote_types(weight, x)``). So half-precision results match the
-reference to the last bit up to the float32 reduction order.
+the weight and rounded to the output dtype (``promote_types(weight, x)``); a token's expert rows are summed in
+float32 in row order and rounded to x's dtype before the add, as ``combine_ref``. So half-precision results match
+the reference to the last bit up to the float32 reduction order.
 """
 from __future__ import annotations
 
@@ -18,12 +20,18 @@ from nanovllm.kernels._common import check_float, check_last_contiguous, check_s
 def _rms_norm_kernel(
     X, R, W, Y, S, N, eps,
     stride_x, stride_r, stride_y, stride_s,
-    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RES: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
-    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
+    if GROUP == 1:
+        x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
+    else:  # rows row * GROUP ... row * GROUP + GROUP - 1 of X summed in order
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for j in tl.static_range(GROUP):
+            acc += tl.load(X + (row * GROUP + j) * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        x = acc.to(X.dtype.element_ty)
     if HAS_RES:
         r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(S.dtype.element_ty)
@@ -60,18 +68,26 @@ def _num_warps(block: int) -> int:
     return 4 if block <= 2048 else (8 if block <= 8192 else 16)
 
 
-def _launch(x, residual, weight, eps, out, residual_out):
+def _launch(x, residual, weight, eps, out, residual_out, rows_per_token=1):
     check_float("rms_norm: x", x)
     check_float("rms_norm: weight", weight)
     N = x.shape[-1]
+    if isinstance(rows_per_token, bool) or not isinstance(rows_per_token, int) or rows_per_token < 1:
+        raise ValueError(f"add_rms_norm: rows_per_token must be an int >= 1, got {rows_per_token!r}")
+    if rows_per_token > 1:
+        if x.dim() != 2 or residual is None or x.shape[0] != rows_per_token * residual.shape[0]:
+            raise ValueError(f"add_rms_norm: with rows_per_token={rows_per_token}, x must be (T * "
+                             f"{rows_per_token}, {N}) for a residual (T, {N}), got {tuple(x.shape)} and "
+                             f"{None if residual is None else tuple(residual.shape)}")
+        x_rows, x = x, x[::rows_per_token]  # x_rows: what the kernel reads; x: one row per token (shapes)
     if weight.dim() != 1 or weight.shape[0] != N:
         raise ValueError(f"rms_norm: weight must be ({N},), got {tuple(weight.shape)}")
     if N > 65536:
         raise ValueError(f"rms_norm: hidden size {N} > 65536 is not supported by the single-pass kernel")
     check_same_device(x=x, weight=weight)
     weight = weight.contiguous()
-    x2 = _as_rows("rms_norm: x", x, N)
-    M = x2.shape[0]
+    x2 = _as_rows("rms_norm: x", x, N) if rows_per_token == 1 else x_rows
+    M = x2.shape[0] // rows_per_token
     if residual is not None:
         if residual.shape != x.shape:
             raise ValueError(f"add_rms_norm: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
@@ -99,7 +115,7 @@ def _launch(x, residual, weight, eps, out, residual_out):
     _rms_norm_kernel[(M,)](
         x2, r2, weight, y2, s2, N, float(eps),
         x2.stride(0), r2.stride(0), y2.stride(0), s2.stride(0),
-        HAS_RES=residual is not None, BLOCK=BLOCK, num_warps=_num_warps(BLOCK),
+        HAS_RES=residual is not None, GROUP=rows_per_token, BLOCK=BLOCK, num_warps=_num_warps(BLOCK),
     )
     return out, residual_out
 
@@ -110,11 +126,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None, *,
+                 rows_per_token: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused ``s = x + residual; return rms_norm(s), s`` (one read of x and residual, one write of each output).
 
     ``out`` / ``residual_out`` may be preallocated (``residual_out`` may alias ``residual`` or ``x`` for an
-    in-place update: each element is read before it is written by the same program).
+    in-place update: each element is read before it is written by the same program). ``rows_per_token`` k > 1:
+    x is (T * k, N) with contiguous rows, each token's k rows summed first (``add_rms_norm_ref``).
     """
-    return _launch(x, residual, weight, eps, out, residual_out)
+    return _launch(x, residual, weight, eps, out, residual_out, rows_per_token)

@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from nanovllm.layers.moe_ref import combine_ref
+
 if TYPE_CHECKING:
     from nanovllm.layers.ops import Ops
 
@@ -17,9 +19,13 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * h.to(x.dtype)
 
 
-def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (rms_norm(x + residual), x + residual); the sum is taken in x's dtype, as HF does."""
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                     rows_per_token: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual); the sum is taken in x's dtype, as HF does.
+    rows_per_token k > 1: x (T * k, N) holds each token's k weighted expert rows, combined first (``combine_ref``:
+    float32, in row order, rounded to x's dtype)."""
+    if rows_per_token > 1:
+        x = combine_ref(x, rows_per_token)
     s = x + residual
     return rms_norm_ref(s, weight, eps), s
 
@@ -33,8 +39,11 @@ class RMSNorm(nn.Module):
         self.ops = ops or TORCH_OPS
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """rms_norm(x); with a residual, (rms_norm(x + residual), x + residual)."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, rows_per_token: int = 1):
+        """rms_norm(x); with a residual, (rms_norm(x + residual), x + residual); rows_per_token k > 1: x holds k
+        rows per token (a mixture of experts' uncombined output), summed before the add."""
         if residual is None:
             return self.ops.rms_norm(x, self.weight, self.eps)
+        if rows_per_token > 1:
+            return self.ops.add_rms_norm(x, residual, self.weight, self.eps, rows_per_token=rows_per_token)
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from nanovllm.distributed.group import TPGroup
+from nanovllm.layers.moe_ref import ExpertRows
 from nanovllm.layers.ops import TORCH_OPS, Ops
 
 EXPERT_SHARDS = ("gate", "up", "down")
@@ -34,8 +35,9 @@ class MoEMethod(Protocol):
         """Called once the checkpoint (or random weights) is in place: repack or quantize."""
 
     def apply(self, layer: FusedMoE, x: torch.Tensor, router_logits: torch.Tensor,
-              out: torch.Tensor | None = None) -> torch.Tensor:
-        """(T, H) x and (T, E) router logits -> (T, H) this rank's partial sum, into ``out`` when given."""
+              out: torch.Tensor | None = None, combine: bool = True) -> torch.Tensor:
+        """(T, H) x and (T, E) router logits -> (T, H) this rank's partial sum, into ``out`` when given;
+        combine=False: the (T * top_k, H) weighted expert rows instead (``fused_moe``'s)."""
 
 
 class UnquantizedMoEMethod:
@@ -64,8 +66,9 @@ class UnquantizedMoEMethod:
             self._compiled.add(key)
             layer.fused_moe_compile(layer.w13, layer.w2, layer.top_k, layer.renormalize, dtype=dtype, **scales)
 
-    def apply(self, layer, x, router_logits, out=None):
-        return layer.fused_moe(x, router_logits, layer.w13, layer.w2, layer.top_k, layer.renormalize, out=out)
+    def apply(self, layer, x, router_logits, out=None, combine=True):
+        return layer.fused_moe(x, router_logits, layer.w13, layer.w2, layer.top_k, layer.renormalize, out=out,
+                               combine=combine)
 
 
 class FusedMoE(nn.Module):
@@ -107,8 +110,12 @@ class FusedMoE(nn.Module):
             raise ValueError(f"expert {e} {which} slice {tuple(src.shape)} does not fit parameter {tuple(dst.shape)}")
         dst.copy_(src)
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """(T, H) x, (T, E) router logits -> (T, H) this rank's partial sum (into `out` when given)."""
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, out: torch.Tensor | None = None,
+                combine: bool = True) -> torch.Tensor | ExpertRows:
+        """(T, H) x, (T, E) router logits -> (T, H) this rank's partial sum (into `out` when given); combine=False:
+        its `ExpertRows`, for the add + RMSNorm that follows to sum."""
+        if not combine:
+            return ExpertRows(self.method.apply(self, x, router_logits, combine=False), self.top_k)
         return self.method.apply(self, x, router_logits, out)
 
 

@@ -141,12 +141,26 @@ def combine_ref(pairs: torch.Tensor, top_k: int) -> torch.Tensor:
     return acc.to(pairs.dtype)
 
 
+@dataclass(frozen=True)
+class ExpertRows:
+    """A mixture-of-experts block's output before its combine: ``rows`` (T * top_k, H), row t * top_k + j token
+    t's j-th weighted expert output. The residual add + RMSNorm that follows sums them (``add_rms_norm``'s
+    ``rows_per_token``), so the block needs no combine launch."""
+    rows: torch.Tensor
+    top_k: int
+
+
 def fused_moe_ref(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                   renormalize: bool, out: torch.Tensor | None = None, *, w13_scale: torch.Tensor | None = None,
-                  w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
+                  w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+                  combine: bool = True) -> torch.Tensor:
     """The mixture-of-experts feed-forward (T, H) of x (T, H) with router_logits (T, E), w13 (E, 2I, H) and
     w2 (E, H, I) (this rank's slice of I under tensor parallelism: the result is then this rank's partial sum;
-    FP8 experts: e4m3 with w13_scale (E, 2I) and w2_scale (E, H), or per `block` tile); into `out` when given."""
+    FP8 experts: e4m3 with w13_scale (E, 2I) and w2_scale (E, H), or per `block` tile); into `out` when given.
+    combine=False: the weighted rows (T * top_k, H) in x's dtype, unsummed (``combine_ref`` sums them); no
+    `out` then."""
+    if not combine and out is not None:
+        raise ValueError("fused_moe_ref: combine=False returns the expert rows; it takes no out")
     weights, ids = route_ref(router_logits, top_k, renormalize)
     T, H = x.shape
     inter = w13.shape[1] // 2
@@ -158,6 +172,8 @@ def fused_moe_ref(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tenso
         y = h @ dequantize_experts(w2[e], None if w2_scale is None else w2_scale[e], block).t()       # (T, H)
         weighted = (y[:, None, :] * weights[:, :, None]).to(x.dtype).float()      # (T, top_k, H)
         rows = torch.where((ids == e)[:, :, None], weighted, rows)
+    if not combine:
+        return rows.to(x.dtype).view(T * top_k, H)
     acc = rows[:, 0]
     for j in range(1, top_k):
         acc = acc + rows[:, j]

@@ -16,7 +16,8 @@ from nanovllm.layers.rotary import apply_rotary_ref
 class Ops:
     name: str                                   # "torch" | "triton"
     rms_norm: Callable                          # (x, weight, eps) -> normed
-    add_rms_norm: Callable                      # (x, residual, weight, eps) -> (normed, x + residual)
+    # (x, residual, weight, eps, *, rows_per_token=1) -> (normed, x + residual); k rows per token summed first
+    add_rms_norm: Callable
     apply_rotary: Callable                      # (q, k, positions, cos_sin_cache) -> (q, k) rotated
     silu_and_mul: Callable                      # (T, 2I) [gate | up] -> (T, I)
     # q/k-norm + RoPE + KV-cache store in one launch (nanovllm.kernels.qkv_norm_rope_store's signature); None:
@@ -25,7 +26,8 @@ class Ops:
     # the sampler's fused kernels (nanovllm.kernels.sample / sample_partial); None: its torch paths
     sample: Callable | None = None
     sample_partial: Callable | None = None
-    # the mixture-of-experts feed-forward: (x, router_logits, w13, w2, top_k, renormalize, out=None) -> (T, H)
+    # the mixture-of-experts feed-forward: (x, router_logits, w13, w2, top_k, renormalize, out=None, *,
+    # combine=True) -> (T, H); combine=False: the (T * top_k, H) weighted expert rows, not yet summed
     fused_moe: Callable = fused_moe_ref
     # (w13, w2, top_k, renormalize) -> compiles every kernel variant fused_moe may pick for those weights; None: none
     fused_moe_compile: Callable | None = None

@@ -25,6 +25,7 @@ from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.moe import FusedMoE, Router
+from nanovllm.layers.moe_ref import ExpertRows
 from nanovllm.layers.rotary import RotaryEmbedding
 from nanovllm.models.loader import packed_target
 
@@ -124,8 +125,12 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = DecoderMLP(cfg, ctx, f"{prefix}.shared_expert", cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = Router(1, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor | ExpertRows:
+        """(T, H) -> the block's output; reduce=False: this rank's partial sum, for ``all_reduce_add_norm``,
+        which on one rank is the experts' uncombined `ExpertRows` (the norm's add sums them)."""
         logits = F.linear(x, self.gate.weight)                                   # (T, E)
+        if self.shared_expert is None and self.tp.size == 1 and not reduce:
+            return self.experts(x, logits, combine=False)
         if self.shared_expert is None:
             # the experts' sum straight into the reducer's buffer when there is one (no copy to reduce it)
             out = self.experts(x, logits, self.tp.reduce_buffer((x.shape[0], x.shape[1]), x.dtype))

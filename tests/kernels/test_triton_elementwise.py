@@ -55,6 +55,30 @@ def test_add_rms_norm(device, dtype):
     torch.testing.assert_close(n, ref_n, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [2, 8])
+def test_add_rms_norm_sums_expert_rows(device, dtype, k):
+    """rows_per_token=k: each token's k rows (a mixture of experts' uncombined output) are combined as
+    combine_ref does, then added and normed; the kernel reads every row (a dropped row changes the sum)."""
+    T, N = 6, 80
+    rows = _rand(T * k, N, dtype=dtype, device=device, seed=8)
+    r = _rand(T, N, dtype=dtype, device=device, seed=9)
+    w = _rand(N, dtype=dtype, device=device, seed=10)
+    ref_n, ref_s = add_rms_norm_ref(rows, r, w, 1e-6, rows_per_token=k)
+    summed = rows.float().view(T, k, N).sum(1).to(dtype)
+    torch.testing.assert_close(ref_s, summed + r)  # the reference combines first
+    n, s = add_rms_norm(rows, r, w, 1e-6, rows_per_token=k)
+    assert n.shape == s.shape == (T, N)
+    torch.testing.assert_close(s, ref_s, **TOL[dtype])
+    torch.testing.assert_close(n, ref_n, **TOL[dtype])
+    n1, s1 = add_rms_norm(rows[::k].contiguous(), r, w, 1e-6)
+    assert not torch.allclose(s1, s)
+    with pytest.raises(ValueError, match="rows_per_token"):
+        add_rms_norm(rows[:-1], r, w, 1e-6, rows_per_token=k)
+    with pytest.raises(ValueError, match="rows_per_token"):
+        add_rms_norm(rows, r, w, 1e-6, rows_per_token=0)
+
+
 def test_rms_norm_fp32_weight_promotes(device):
     x = _rand(3, 64, dtype=torch.float16, device=device, seed=6)
     w = _rand(64, dtype=torch.float32, device=device, seed=7)

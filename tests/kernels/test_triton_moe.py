@@ -7,7 +7,7 @@ import torch
 
 from nanovllm.kernels.moe import fused_moe, fused_moe_compile, moe_combine, moe_down, moe_gate_up
 from nanovllm.kernels.moe_configs import DEFAULT_BUCKETS, MOE_CONFIGS, GemmTile, MoEConfig, moe_config
-from nanovllm.kernels.moe_routing import moe_align, moe_route
+from nanovllm.kernels.moe_routing import moe_route, moe_route_align
 from nanovllm.layers.moe_ref import (
     MoELayout,
     align_ref,
@@ -61,24 +61,31 @@ def test_route_ties_go_to_the_lower_index(device):
     assert bool(torch.isfinite(w).all())
 
 
-def _ids(kind: str, T: int, E: int, k: int, device) -> torch.Tensor:
-    if kind == "random":  # distinct experts per token, as routing gives
-        return torch.argsort(_rand(T, E, seed=T * E + k), dim=-1)[:, :k].to(torch.int32).to(device)
-    if kind == "two experts":  # every token on experts 3 and 5: the others get none
-        return torch.tensor([[5, 3]] * T, dtype=torch.int32, device=device)
+def _logits(kind: str, T: int, E: int, k: int, device) -> torch.Tensor:
+    if kind == "random":  # distinct random experts per token
+        return _rand(T, E, seed=T * E + k, scale=3.0, device=device)
+    if kind == "two experts":  # every token on experts 5 and 3 (k = 2): the others get none
+        logits = torch.full((T, E), -4.0)
+        logits[:, 5], logits[:, 3] = 2.0, 1.0
+        return logits.to(device)
     raise AssertionError(kind)
 
 
 @pytest.mark.parametrize("kind, T, E, k", [("random", 1, 8, 2), ("random", 37, 8, 2), ("random", 100, 16, 4),
-                                           ("random", 50, 12, 3),
+                                           ("random", 50, 12, 3), ("random", 260, 8, 1),
                                            ("two experts", 70, 8, 2), ("random", 300, 128, 8),
-                                           ("random", 8, 128, 8)])
+                                           ("random", 8, 128, 8), ("random", 1000, 16, 2)])
 @pytest.mark.parametrize("block_m", [16, 64])
-def test_align_matches_reference(device, kind, T, E, k, block_m):
-    """T=300, E=128, k=8: chunks of two BLOCK_P steps (at most MAX_CHUNKS chunks); T=8: one chunk labels all of
-    its 64 blocks, BLOCK_B at a time."""
-    ids = _ids(kind, T, E, k, device)
-    lay, ref = moe_align(ids, E, block_m), align_ref(ids, E, block_m)
+def test_route_align_matches_reference(device, kind, T, E, k, block_m):
+    """T=300, E=128, k=8: 19 chunks of 16 tokens (two routing tiles, 128 pairs: two scattering steps); T=1000,
+    k=2: 32 chunks of 32 tokens (four tiles); T=260, k=1: chunks of 16 pairs, less than one scattering step; T=8:
+    one chunk labels all of its 64 blocks, BLOCK_B at a time."""
+    logits = _logits(kind, T, E, k, device)
+    w, ids, lay = moe_route_align(logits, k, True, block_m)
+    wr, idr = route_ref(logits, k, True)
+    assert torch.equal(ids, idr)
+    torch.testing.assert_close(w, wr, atol=1e-6, rtol=1e-5)
+    ref = align_ref(ids, E, block_m)
     assert lay.block_expert.numel() == max_blocks(T * k, E, block_m)
     assert torch.equal(lay.block_expert, ref.block_expert) and torch.equal(lay.block_rows, ref.block_rows)
     real = ref.row_mask()
@@ -89,6 +96,8 @@ def test_align_matches_reference(device, kind, T, E, k, block_m):
     assert torch.equal(ids.flatten()[lay.sorted_ids[real].long()].long(), experts)
     live = lay.block_expert >= 0
     assert bool((lay.block_rows[live] > 0).all()) and not bool(live[live.long().sum():].any())
+    if kind == "two experts":
+        assert set(lay.block_expert[live].tolist()) == {3, 5}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -144,6 +153,13 @@ def test_fused_moe_matches_reference(device, dtype, cfg, T, E, k, renorm, skew):
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
     torch.testing.assert_close(y.float(), ref.float(), **tol)
     assert torch.equal(fused_moe(x, logits.to(dtype), w13, w2, k, renorm, config=cfg), y)  # deterministic
+    # uncombined: each token's weighted expert rows, which combine to the layer's output
+    rows = fused_moe(x, logits.to(dtype), w13, w2, k, renorm, config=cfg, combine=False)
+    rows_ref = fused_moe_ref(x, logits.to(dtype), w13, w2, k, renorm, combine=False)
+    assert rows.shape == rows_ref.shape == (T * k, H)
+    torch.testing.assert_close(rows.float(), rows_ref.float(), **tol)
+    torch.testing.assert_close(combine_ref(rows, k).float(), y.float(), **tol)  # (the interpreter truncates)
+    assert torch.equal(combine_ref(rows_ref, k), ref)
 
 
 def _fp8_experts(E, H, inter, device, seed=5):
@@ -263,6 +279,8 @@ def test_fused_moe_rejects_bad_inputs(device):
     with pytest.raises(ValueError, match="out must be"):
         fused_moe(x, lg, w13, w2, 2, True, torch.zeros(4, 32, device=device))
     assert fused_moe(x[:0], lg[:0], w13, w2, 2, True).shape == (0, 64)
+    with pytest.raises(ValueError, match="takes no out"):
+        fused_moe(x, lg, w13, w2, 2, True, torch.zeros(4, 64, device=device), combine=False)
 
 
 def test_config_table_lookup(device):

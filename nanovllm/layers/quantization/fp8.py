@@ -115,9 +115,10 @@ class Fp8MoEMethod(UnquantizedMoEMethod):
             setattr(layer, f"{name}_scale", nn.Parameter(s.view(E, N), requires_grad=False))
         self.compile_kernels(layer, dtype, w13_scale=layer.w13_scale, w2_scale=layer.w2_scale)
 
-    def apply(self, layer, x, router_logits, out=None):
+    def apply(self, layer, x, router_logits, out=None, combine=True):
         return layer.fused_moe(x, router_logits, layer.w13, layer.w2, layer.top_k, layer.renormalize, out=out,
-                               w13_scale=layer.w13_scale, w2_scale=layer.w2_scale, block=self.block)
+                               w13_scale=layer.w13_scale, w2_scale=layer.w2_scale, block=self.block,
+                               combine=combine)
 
 
 class Fp8BlockMoEMethod(Fp8MoEMethod):
