@@ -143,10 +143,10 @@ def check(dt: str) -> None:
     for fp8 in (False, True):
         build(kvcache._store_kvcache_kernel, {**cache_types(dt, fp8), "K": f"*{dt}", "V": f"*{dt}", "SLOTS": "*i64"},
               dict(BLOCK_SIZE=16, HEAD_DIM=128, D_PAD=128, BLOCK_H=8, FP8=fp8), num_warps=4)
-    for has_res in (False, True):
+    for has_res, group in ((False, 1), (True, 1), (True, 8)):
         build(norm._rms_norm_kernel, {"X": f"*{dt}", "R": f"*{dt}", "W": f"*{dt}", "Y": f"*{dt}", "S": f"*{dt}",
                                       "eps": "fp32"},
-              dict(HAS_RES=has_res, BLOCK=4096), num_warps=norm._num_warps(4096))
+              dict(HAS_RES=has_res, GROUP=group, BLOCK=4096), num_warps=norm._num_warps(4096))
     build(ar_norm._two_rank_add_rms_norm_kernel, {"X": f"*{dt}", "P": f"*{dt}", "R": f"*{dt}", "W": f"*{dt}",
                                                   "Y": f"*{dt}", "S": f"*{dt}", "SIG_IN": "*i32", "SIG_OUT": "*i32",
                                                   "eps": "fp32"},
@@ -175,8 +175,8 @@ def check_moe(dt: str) -> None:
     from nanovllm.kernels.moe_configs import DEFAULT_BUCKETS
     i32 = {n: "*i32" for n in ("IDS", "COUNTS", "RANKS", "OFFSETS", "BLOCK_EXPERT", "BLOCK_ROWS", "SORTED")}
     build(moe_routing._route_kernel, {"LOGITS": f"*{dt}", "WEIGHTS": "*fp32", **i32},
-          dict(TOP_K=8, RENORM=True, BLOCK_T=moe_routing.BLOCK_T, BLOCK_E=128, K_PAD=8), num_warps=4)
-    build(moe_routing._count_kernel, i32, dict(BLOCK_P=moe_routing.BLOCK_P, BLOCK_E=128), num_warps=4)
+          dict(TOP_K=8, RENORM=True, COUNT=True, BLOCK_T=moe_routing.BLOCK_T, BLOCK_E=128, K_PAD=8),
+          num_warps=4)
     build(moe_routing._scatter_kernel, i32, dict(BLOCK_M=32, BLOCK_P=moe_routing.BLOCK_P, BLOCK_E=128,
                                                  MAX_CHUNKS=moe_routing.MAX_CHUNKS, BLOCK_B=moe_routing.BLOCK_B),
           num_warps=4)
