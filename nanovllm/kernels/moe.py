@@ -3,10 +3,11 @@ moe_routing``), two grouped GEMMs and the combine. Reference: ``nanovllm.layers.
 one function per step below).
 
     moe_route_align  (T, E) logits -> top-k weights (T, k) float32, expert ids (T, k), and the pairs sorted by
-                 expert in blocks of BLOCK_M rows (MoELayout)
-    moe_gate_up  per block: x rows of its pairs @ w13[e].T -> silu(gate) * up, (rows, I) in x's dtype
-    moe_down     per block: those rows @ w2[e].T * the pair's routing weight -> row t * k + j of (T * k, H)
-    moe_combine  out[t] = sum over j in order 0 .. k-1 of row t * k + j, in float32 (deterministic: no atomics)
+                     expert in blocks of BLOCK_M rows (MoELayout)
+    moe_gate_up      per block: x rows of its pairs @ w13[e].T -> silu(gate) * up, (rows, I) in x's dtype
+    moe_down         per block: those rows @ w2[e].T * the pair's routing weight -> row t * k + j of (T * k, H)
+    moe_combine      out[t] = sum over j in order 0 .. k-1 of row t * k + j, in float32 (deterministic: no
+                     atomics); skipped with combine=False, when the add + RMSNorm that follows sums the rows
 
 A GEMM program takes one block of rows (one expert) and BLOCK_N outputs; programs are ordered blocks first, so
 the blocks of one expert that share a weight tile run side by side. The grids are sized for the worst case
