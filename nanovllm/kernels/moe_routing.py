@@ -7,15 +7,16 @@ the worst case (`max_blocks` blocks), grids are fixed, and nothing is read back 
 Two launches (``moe_route_align``):
 
 * ``_route_kernel``: the tokens are split into at most MAX_CHUNKS chunks, one program each, BLOCK_T tokens at a
-  time: softmax in float32, top-k by repeated argmax (ties to the lower expert index), optional
-  renormalization. With COUNT it also counts the chunk's pairs per expert and ranks each pair among the chunk's
-  earlier pairs of its expert: a token's top-k experts are distinct, so a pair's rank is the number of earlier
-  tokens of the chunk that picked its expert (a cumulative sum over the tile's token x expert picks).
-* ``_scatter_kernel``: each chunk's program scans all the chunks' counts (a small tile, read by every program, so
-  no single-program scan runs between the two launches) into each expert's padded start and its own offset
-  within it, writes its pairs' indices to their rows, and labels its share of the blocks with their expert and
-  real row count (-1 and 0 past the last). Pairs of one expert keep pair-index order, so the layout is
-  deterministic.
+  time (a chunk is one tile up to MAX_CHUNKS * BLOCK_T = 1,024 tokens, eight at 8,192): softmax in float32, top-k
+  by repeated argmax (ties to the lower expert index), optional renormalization. With COUNT it also counts the
+  chunk's pairs per expert and ranks each pair among the chunk's earlier pairs of its expert: a token's top-k
+  experts are distinct, so a pair's rank is the number of earlier tokens of the chunk that picked its expert (a
+  cumulative sum over the tile's token x expert picks).
+* ``_scatter_kernel``: each chunk's program scans all the chunks' counts (SCAN_C chunks' rows at a time, read by
+  every program, so no single-program scan runs between the two launches) into each expert's padded start and
+  its own offset within it, writes its pairs' indices to their rows, and labels its share of the blocks with
+  their expert and real row count (-1 and 0 past the last). Pairs of one expert keep pair-index order, so the
+  layout is deterministic.
 
 ``moe_route`` is the first kernel alone (weights and ids, for tests and benchmarks).
 """
@@ -30,11 +31,12 @@ from nanovllm.layers.moe_ref import MoELayout, max_blocks
 
 # Tile sizes, fixed (one compile serves every token count) and small enough that a (tile, experts) int32 matrix
 # stays in registers at E=128: tokens per routing step (8 tokens, 4 warps: 2.6 us at 256 tokens against 4.2 for
-# 16 tokens a program in an H200 probe), pairs per scattering step, the most chunks (the scan tile every
-# scattering program reads), and blocks labelled per step.
+# 16 tokens a program in an H200 probe), pairs per scattering step, the most chunks (each scattering program reads
+# every chunk's counts: 64 KB at E=128), the chunks' rows scanned per step, and blocks labelled per step.
 BLOCK_T = 8
 BLOCK_P = 64
-MAX_CHUNKS = 32
+MAX_CHUNKS = 128
+SCAN_C = 32
 BLOCK_B = 16
 
 
@@ -90,19 +92,22 @@ def _route_kernel(LOGITS, WEIGHTS, IDS, RANKS, COUNTS, T, E, stride_t, chunk_tok
 @triton.jit(do_not_specialize=["N", "chunk_size", "n_chunks", "n_blocks", "blocks_per_chunk"])
 def _scatter_kernel(IDS, RANKS, COUNTS, SORTED, BLOCK_EXPERT, BLOCK_ROWS, N, E, chunk_size, n_chunks, n_blocks,
                     blocks_per_chunk, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
-                    MAX_CHUNKS: tl.constexpr, BLOCK_B: tl.constexpr):
+                    SCAN_C: tl.constexpr, BLOCK_B: tl.constexpr):
     chunk = tl.program_id(0)
     offs_e = tl.arange(0, BLOCK_E)
     mask_e = offs_e < E
-    c = tl.arange(0, MAX_CHUNKS)
-    counts = tl.load(COUNTS + c[:, None] * E + offs_e[None, :], mask=(c < n_chunks)[:, None] & mask_e[None, :],
-                     other=0)                                                 # (MAX_CHUNKS, BLOCK_E)
-    total = tl.sum(counts, axis=0)
+    total = tl.zeros((BLOCK_E,), dtype=tl.int32)    # pairs per expert
+    earlier = tl.zeros((BLOCK_E,), dtype=tl.int32)  # ... in the chunks before this one
+    for c0 in range(0, n_chunks, SCAN_C):
+        c = c0 + tl.arange(0, SCAN_C)
+        counts = tl.load(COUNTS + c[:, None] * E + offs_e[None, :], mask=(c < n_chunks)[:, None] & mask_e[None, :],
+                         other=0)                                             # (SCAN_C, BLOCK_E)
+        total += tl.sum(counts, axis=0)
+        earlier += tl.sum(tl.where((c < chunk)[:, None], counts, 0), axis=0)
     padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
-    # this chunk's pairs of expert e go after the earlier chunks' ones
-    offset = starts + tl.sum(tl.where((c < chunk)[:, None], counts, 0), axis=0)
+    offset = starts + earlier  # this chunk's pairs of expert e go after the earlier chunks' ones
     p_end = tl.minimum((chunk + 1) * chunk_size, N)
     for p0 in range(0, chunk_size, BLOCK_P):
         offs_p = chunk * chunk_size + p0 + tl.arange(0, BLOCK_P)
@@ -186,6 +191,6 @@ def moe_route_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, 
     if n:
         _scatter_kernel[(chunks,)](ids, ranks, counts, sorted_ids, block_expert, block_rows, n, E,
                                    chunk_tokens * top_k, chunks, nb, triton.cdiv(nb, chunks), BLOCK_M=block_m,
-                                   BLOCK_P=BLOCK_P, BLOCK_E=max(16, next_pow2(E)), MAX_CHUNKS=MAX_CHUNKS,
-                                   BLOCK_B=BLOCK_B, num_warps=4)
+                                   BLOCK_P=BLOCK_P, BLOCK_E=max(16, next_pow2(E)), SCAN_C=SCAN_C, BLOCK_B=BLOCK_B,
+                                   num_warps=4)
     return weights, ids, MoELayout(sorted_ids, block_expert, block_rows, block_m)

@@ -178,7 +178,7 @@ def check_moe(dt: str) -> None:
           dict(TOP_K=8, RENORM=True, COUNT=True, BLOCK_T=moe_routing.BLOCK_T, BLOCK_E=128, K_PAD=8),
           num_warps=4)
     build(moe_routing._scatter_kernel, i32, dict(BLOCK_M=32, BLOCK_P=moe_routing.BLOCK_P, BLOCK_E=128,
-                                                 MAX_CHUNKS=moe_routing.MAX_CHUNKS, BLOCK_B=moe_routing.BLOCK_B),
+                                                 SCAN_C=moe_routing.SCAN_C, BLOCK_B=moe_routing.BLOCK_B),
           num_warps=4)
     build(moe._combine_kernel, {"P": f"*{dt}", "OUT": f"*{dt}"}, dict(TOP_K=8, BLOCK_H=1024), num_warps=4)
     # FP8 experts (weight-only): e4m3 weights with float32 scales (WS) per row, or per 128 x 128 tile (a block-FP8

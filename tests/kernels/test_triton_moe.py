@@ -74,12 +74,13 @@ def _logits(kind: str, T: int, E: int, k: int, device) -> torch.Tensor:
 @pytest.mark.parametrize("kind, T, E, k", [("random", 1, 8, 2), ("random", 37, 8, 2), ("random", 100, 16, 4),
                                            ("random", 50, 12, 3), ("random", 260, 8, 1),
                                            ("two experts", 70, 8, 2), ("random", 300, 128, 8),
-                                           ("random", 8, 128, 8), ("random", 1000, 16, 2)])
+                                           ("random", 8, 128, 8), ("random", 1000, 16, 2),
+                                           ("random", 2100, 16, 2)])
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_route_align_matches_reference(device, kind, T, E, k, block_m):
-    """T=300, E=128, k=8: 19 chunks of 16 tokens (two routing tiles, 128 pairs: two scattering steps); T=1000,
-    k=2: 32 chunks of 32 tokens (four tiles); T=260, k=1: chunks of 16 pairs, less than one scattering step; T=8:
-    one chunk labels all of its 64 blocks, BLOCK_B at a time."""
+    """Chunks of one 8-token routing tile up to 1,024 tokens: T=300, E=128, k=8: 38 chunks (two scan steps of the
+    scatter); T=1000, k=2: 125 chunks (four scan steps), 16 pairs each, less than one scattering step; T=2100, k=2:
+    88 chunks of three tiles; T=8: one chunk labels all of its 64 blocks, BLOCK_B at a time."""
     logits = _logits(kind, T, E, k, device)
     w, ids, lay = moe_route_align(logits, k, True, block_m)
     wr, idr = route_ref(logits, k, True)
