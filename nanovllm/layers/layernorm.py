@@ -44,6 +44,4 @@ class RMSNorm(nn.Module):
         rows per token (a mixture of experts' uncombined output), summed before the add."""
         if residual is None:
             return self.ops.rms_norm(x, self.weight, self.eps)
-        if rows_per_token > 1:
-            return self.ops.add_rms_norm(x, residual, self.weight, self.eps, rows_per_token=rows_per_token)
-        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps, rows_per_token=rows_per_token)
