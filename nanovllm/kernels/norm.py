@@ -74,19 +74,18 @@ def _launch(x, residual, weight, eps, out, residual_out, rows_per_token=1):
     N = x.shape[-1]
     if isinstance(rows_per_token, bool) or not isinstance(rows_per_token, int) or rows_per_token < 1:
         raise ValueError(f"add_rms_norm: rows_per_token must be an int >= 1, got {rows_per_token!r}")
-    if rows_per_token > 1:
-        if x.dim() != 2 or residual is None or x.shape[0] != rows_per_token * residual.shape[0]:
-            raise ValueError(f"add_rms_norm: with rows_per_token={rows_per_token}, x must be (T * "
-                             f"{rows_per_token}, {N}) for a residual (T, {N}), got {tuple(x.shape)} and "
-                             f"{None if residual is None else tuple(residual.shape)}")
-        x_rows, x = x, x[::rows_per_token]  # x_rows: what the kernel reads; x: one row per token (shapes)
+    if rows_per_token > 1 and (x.dim() != 2 or residual is None or x.shape[0] != rows_per_token * residual.shape[0]):
+        raise ValueError(f"add_rms_norm: with rows_per_token={rows_per_token}, x must be (T * {rows_per_token}, "
+                         f"{N}) for a residual (T, {N}), got {tuple(x.shape)} and "
+                         f"{None if residual is None else tuple(residual.shape)}")
     if weight.dim() != 1 or weight.shape[0] != N:
         raise ValueError(f"rms_norm: weight must be ({N},), got {tuple(weight.shape)}")
     if N > 65536:
         raise ValueError(f"rms_norm: hidden size {N} > 65536 is not supported by the single-pass kernel")
     check_same_device(x=x, weight=weight)
     weight = weight.contiguous()
-    x2 = _as_rows("rms_norm: x", x, N) if rows_per_token == 1 else x_rows
+    x2 = _as_rows("rms_norm: x", x, N)  # what the kernel reads: rows_per_token rows per token
+    x = x2[::rows_per_token] if rows_per_token > 1 else x  # one row per token: the outputs' shape
     M = x2.shape[0] // rows_per_token
     if residual is not None:
         if residual.shape != x.shape:
