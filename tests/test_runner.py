@@ -163,3 +163,31 @@ def test_graph_sizes():
     assert prefill_graph_sizes(config(large)) == prefill_graph_sizes(config(large, tp=2)) == []
     for off in (dict(device="cpu"), dict(eager=True), dict(backend="torch")):
         assert mixed_graph_sizes(config(small, **off)) == prefill_graph_sizes(config(small, **off)) == []
+
+
+def test_long_context_decode_steps_replay_their_own_graph():
+    """A decode size with long-context KV splits gets a second graph; a step replays it when its mean context is
+    at least the threshold, the plain one otherwise and at sizes without one."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from nanovllm.engine.cuda_graphs import CUDAGraphs
+
+    cfg = SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16, attention_backend="triton",
+                          max_num_batched_tokens=2048, max_num_seqs=64, max_model_len=8192, block_size=256,
+                          speculative=None, quantization=None, model=SimpleNamespace(matmul_params=lambda: 1e9),
+                          args=SimpleNamespace(enforce_eager=False, tensor_parallel_size=1))
+    g = CUDAGraphs(cfg, torch.device("cpu"), None, None, lambda b: 4 if b >= 32 else None, 4096)
+    assert g.long_splits == {32: 4, 48: 4, 64: 4}
+    assert g.layout(("decode-long", 48)) is g.layout(("decode", 48))     # one staging layout per size
+    g.decode, g.decode_long = dict.fromkeys(g.decode_sizes), dict.fromkeys(g.long_splits)  # (as if captured)
+
+    def step(lens):
+        return SimpleNamespace(is_decode=True, num_seqs=len(lens), seq_lens=lens, num_logits=len(lens),
+                               num_tokens=len(lens))
+    assert g.find(step([4096] * 40)) == ("decode-long", 48)
+    assert g.find(step([4095] * 40)) == ("decode", 48)
+    assert g.find(step([8000] * 20 + [100] * 20)) == ("decode", 48)       # mean 4,050
+    assert g.find(step([8000] * 21 + [100] * 19)) == ("decode-long", 48)  # mean 4,248
+    assert g.find(step([8000] * 10)) == ("decode", 16)                    # no long graph at 16

@@ -34,11 +34,12 @@ class AttentionMetadata:
     decode_order: torch.Tensor | None = None
     # mixed steps (optional): the one-token sequences can go through a decode kernel and the rest through the
     # varlen kernel. `decode_lens` (B,) is each one-token sequence's length and 0 for the others; `prefill_cu`
-    # (B + 1,) are query offsets in which the one-token sequences have no queries; `decode_splits` (host) the
-    # decode kernel's KV splits. Row b of a one-token sequence b is query row b: the scheduler puts them first.
+    # (B + 1,) are query offsets in which the one-token sequences have no queries. Row b of a one-token sequence b
+    # is query row b: the scheduler puts them first.
     decode_lens: torch.Tensor | None = None
     prefill_cu: torch.Tensor | None = None
-    decode_splits: int = 1
+    # host: the decode kernel's KV splits (decode and mixed steps); None: its default for the shapes
+    decode_splits: int | None = None
     prefill_persistent: bool = False  # host: the varlen kernel's fixed, looping grid (short chunks, padded batch)
 
 
@@ -100,7 +101,7 @@ class TritonAttentionBackend(AttentionBackend):
         fp8 = dict(k_scales=k_scales, v_scales=v_scales)
         if meta.is_decode:
             return self.k.paged_decode_attention(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
-                                                 order=meta.decode_order, **fp8)
+                                                 num_splits=meta.decode_splits, order=meta.decode_order, **fp8)
         if meta.decode_lens is None:
             return self.k.paged_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
                                                   meta.block_tables, scale, meta.max_seqlen_q, **fp8)

@@ -3,7 +3,9 @@ that fit, so a step costs one launch instead of hundreds.
 
 Two kinds behind one class (`CUDAGraphs`):
 * decode graphs, one per batch size B (1, 2, 4, 8, 16, 32, ... max_num_seqs): B one-token sequences, forward and
-  logits of every row;
+  logits of every row; for the sizes whose decode attention splits long contexts differently
+  (``kernels.decode_attention.decode_long_splits``), a second graph with those splits, which a step whose mean
+  context is at least ``LONG_CONTEXT_TOKENS`` replays;
 * step graphs for mixed steps (prefill chunks riding with decode rows) of up to R tokens, R a multiple of 128 up
   to 512, and for a small model's large prefill steps (1,024, 2,048, ... up to the token budget): forward to the
   hidden states of the step's logits rows; the LM head runs after the replay on those rows only.
@@ -68,8 +70,9 @@ def prefill_graph_sizes(config: EngineConfig) -> list[int]:
     return sizes + [budget]
 
 
-# (inputs, batch size) -> logits of every row / (inputs, rows, sequences) -> hidden states of the logits rows
-DecodeForward = Callable[[StepInputs, int], torch.Tensor]
+# (inputs, batch size, the decode kernel's KV splits or None for its default) -> logits of every row /
+# (inputs, rows, sequences) -> hidden states of the logits rows
+DecodeForward = Callable[[StepInputs, int, "int | None"], torch.Tensor]
 StepForward = Callable[[StepInputs, int, int], torch.Tensor]
 
 
@@ -84,7 +87,10 @@ class CUDAGraphs:
     """Every captured graph, and the one shared buffer their inputs are staged in."""
 
     def __init__(self, config: EngineConfig, device: torch.device, decode_forward: DecodeForward,
-                 step_forward: StepForward):
+                 step_forward: StepForward, long_splits: Callable[[int], int | None] = lambda b: None,
+                 long_context_tokens: int = 0):
+        """`long_splits(B)`: the decode kernel's KV splits for B sequences of long contexts (a mean of at least
+        `long_context_tokens`), None where they are its default's (no second graph)."""
         self.decode_sizes = decode_graph_sizes(config)
         self.step_sizes = mixed_graph_sizes(config) + prefill_graph_sizes(config)
         self.width = -(-config.max_model_len // config.block_size)  # block-table columns of every layout
@@ -94,10 +100,14 @@ class CUDAGraphs:
         # logits rows beyond one per sequence: speculative decoding's draft rows (1 + k per verifying sequence)
         drafts = config.speculative.max_draft_tokens if config.speculative is not None else 0
         self.decode: dict[int, _Graph] = {}
+        self.decode_long: dict[int, _Graph] = {}
         self.step: dict[int, _Graph] = {}
+        self.long_splits = {b: n for b in self.decode_sizes if (n := long_splits(b)) is not None}
+        self.long_context_tokens = long_context_tokens
         # a step graph of R rows: up to min(R, max_num_seqs) sequences, each of which may have a logits row, and the
         # draft rows of a verification step
         self._layouts = {("decode", b): Layout.make(b, b, self.width, b) for b in self.decode_sizes}
+        self._layouts.update({("decode-long", b): self._layouts[("decode", b)] for b in self.long_splits})
         self._layouts.update({("step", r): Layout.make(r, min(r, seqs), self.width, min(r, seqs + drafts))
                               for r in self.step_sizes})
         self.buffer: torch.Tensor | None = None
@@ -117,7 +127,9 @@ class CUDAGraphs:
         self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         pool = None
         kinds = ((self.step, "step", self.step_sizes, lambda v, r, lay: self._step_forward(v, r, lay.B)),
-                 (self.decode, "decode", self.decode_sizes, lambda v, b, lay: self._decode_forward(v, b)))
+                 (self.decode, "decode", self.decode_sizes, lambda v, b, lay: self._decode_forward(v, b, None)),
+                 (self.decode_long, "decode-long", sorted(self.long_splits),
+                  lambda v, b, lay: self._decode_forward(v, b, self.long_splits[b])))
         for graphs, kind, sizes, forward in kinds:
             for size in reversed(sizes):
                 layout = self._layouts[(kind, size)]
@@ -131,9 +143,13 @@ class CUDAGraphs:
                 torch.cuda.synchronize()
 
     def find(self, batch: StepBatch) -> tuple[str, int] | None:
-        """The graph a step replays: ("decode", B) or ("step", R), the smallest that fits; None: run eagerly."""
+        """The graph a step replays: ("decode", B), ("decode-long", B) or ("step", R), the smallest that fits;
+        None: run eagerly."""
         if batch.is_decode and self.decode and batch.num_seqs <= self.decode_sizes[-1]:
-            return "decode", self.decode_sizes[bisect.bisect_left(self.decode_sizes, batch.num_seqs)]
+            b = self.decode_sizes[bisect.bisect_left(self.decode_sizes, batch.num_seqs)]
+            if b in self.decode_long and sum(batch.seq_lens) >= self.long_context_tokens * batch.num_seqs:
+                return "decode-long", b
+            return "decode", b
         if batch.num_logits and self.step and batch.num_tokens <= self.step_sizes[-1]:
             key = "step", self.step_sizes[bisect.bisect_left(self.step_sizes, batch.num_tokens)]
             if batch.num_logits <= self._layouts[key].S:
@@ -147,10 +163,10 @@ class CUDAGraphs:
         """Replay a graph whose inputs were staged into `buffer`; its output for the first `num_logits` rows:
         logits (decode graphs) or hidden states (step graphs)."""
         kind, size = key
-        g = (self.decode if kind == "decode" else self.step)[size]
+        g = {"decode": self.decode, "decode-long": self.decode_long, "step": self.step}[kind][size]
         g.graph.replay()
         return g.out[:num_logits]
 
     def release(self) -> None:
-        self.decode, self.step = {}, {}  # (their memory pool goes with the last of them)
+        self.decode, self.decode_long, self.step = {}, {}, {}  # (their memory pool goes with the last of them)
         self.buffer = self.decode_cu = None

@@ -68,9 +68,15 @@ class ModelRunner:
         rows = config.max_num_seqs + (config.speculative.max_draft_tokens if config.speculative else 0)
         self.sampled_buf = torch.zeros(max(min(rows, config.max_num_batched_tokens), config.max_num_seqs, 1),
                                        dtype=torch.int64, device=self.device)
+        # the mean context from which a decode step takes the decode kernel's long-context KV splits (Triton only)
+        self.long_context_tokens: int | None = None
+        if config.attention_backend == "triton":
+            from nanovllm.kernels.decode_attention import LONG_CONTEXT_TOKENS
+            self.long_context_tokens = LONG_CONTEXT_TOKENS
         self.graphs: CUDAGraphs | None = None
         if self.device.type == "cuda" and not config.args.enforce_eager:
-            self.graphs = CUDAGraphs(config, self.device, self._decode_forward, self._step_forward)
+            self.graphs = CUDAGraphs(config, self.device, self._decode_forward, self._step_forward,
+                                     self._long_decode_splits, self.long_context_tokens or 0)
         t0 = time.perf_counter()
         self.num_kvcache_blocks = self._allocate_kv_cache()  # (its warm-up steps run eagerly: no graphs yet)
         self.kv_seconds = time.perf_counter() - t0  # KV sizing, incl. the warm-up steps' kernel compiles
@@ -153,11 +159,12 @@ class ModelRunner:
         ids on the device."""
         return torch.where(v.src >= 0, self.sampled_buf[v.src.clamp(min=0)], v.ids)
 
-    def _decode_forward(self, v: StepInputs, B: int) -> torch.Tensor:
-        """A decode graph's body: B one-token sequences -> logits of every row, (B, vocab | shard)."""
+    def _decode_forward(self, v: StepInputs, B: int, splits: int | None) -> torch.Tensor:
+        """A decode graph's body: B one-token sequences -> logits of every row, (B, vocab | shard); `splits`: the
+        decode kernel's KV splits (None: its default for B)."""
         g = self.graphs
         meta = AttentionMetadata(v.slots, g.decode_cu[:B + 1], v.seq_lens, v.block_tables(B, g.width),
-                                 max_seqlen_q=1, is_decode=True, decode_order=v.order)
+                                 max_seqlen_q=1, is_decode=True, decode_order=v.order, decode_splits=splits)
         return self.model.compute_logits(self.model(self._input_ids(v), v.pos, meta), gather=self.tp.size == 1)
 
     def _step_forward(self, v: StepInputs, rows: int, B: int) -> torch.Tensor:
@@ -183,6 +190,9 @@ class ModelRunner:
             # order), whose variant is compiled at their capture: another (a split count varying with the step)
             # would compile mid-run, ~0.6 s
             meta.decode_lens, meta.prefill_cu, meta.decode_splits = v.dec_lens, v.cu_pre, 1
+        elif batch.is_decode and self.long_context_tokens is not None and \
+                sum(batch.seq_lens) >= self.long_context_tokens * n:
+            meta.decode_splits = self._long_decode_splits(n)  # as the decode graphs choose (None: the default)
         ids = self._input_ids(v) if batch.placeholder_pos else v.ids
         if keep_all:
             return self.model(ids, v.pos, meta)                                # (T, hidden)
@@ -208,6 +218,15 @@ class ModelRunner:
         from nanovllm.kernels.decode_attention import decode_num_splits
         return decode_num_splits(batch, self.attn_layers[0].num_kv_heads,
                                  -(-self.config.max_model_len // self.block_size), self.block_size, self.device)
+
+    def _long_decode_splits(self, batch: int) -> int | None:
+        """The decode kernel's KV splits for up to `batch` sequences of long contexts (``decode_long_splits``), None
+        where they are its default's."""
+        if self.config.attention_backend != "triton":
+            return None
+        from nanovllm.kernels.decode_attention import decode_long_splits
+        return decode_long_splits(batch, self.attn_layers[0].num_kv_heads,
+                                  -(-self.config.max_model_len // self.block_size), self.block_size, self.device)
 
     def _prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
         """Raw log-probability, 1-based rank and top tokens of each prompt token a row of `hidden` (T, hidden)
@@ -280,7 +299,7 @@ class ModelRunner:
         if graph is not None:
             v = self.staging.upload(batch, self.graphs.layout(graph), self.graphs.buffer)
             out = self.graphs.replay(graph, S)
-            if graph[0] == "decode":
+            if graph[0] != "step":
                 logits = out                                                   # (S, vocab | shard)
             else:
                 logits = self.model.compute_logits(out, gather=self.tp.size == 1)

@@ -169,6 +169,29 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size
     return max(splits, 1)
 
 
+# Long contexts (a prompt of thousands of tokens): a decode step of a few dozen such sequences launches B * Hkv
+# programs of ~50 KV tiles each, one per SM at a time, so the last wave idles most SMs for a whole program.
+# Four splits (each >= _LONG_SPLIT_TOKENS on average) fill it: at 64 sequences of 6-8k tokens, 16 / 8 heads,
+# 420 vs 454 us; at 56, 377 vs 430 (`kernel_bench.py decode`-style probe, 2026-12-01). Short contexts lose by
+# splitting (the reduce kernel and the partial rows: 93 sequences of 300-1,300 tokens, 32 / 4 heads, 54 vs 45 us).
+_LONG_SPLITS = 4
+_LONG_SPLIT_TOKENS = 1024
+LONG_CONTEXT_TOKENS = _LONG_SPLITS * _LONG_SPLIT_TOKENS  # mean context of a step that takes decode_long_splits
+
+
+def decode_long_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
+                       device: torch.device | None = None) -> int | None:
+    """KV splits for a decode step of up to ``batch`` sequences whose mean context is at least
+    ``LONG_CONTEXT_TOKENS``, or None where they would be ``decode_num_splits``' own: more than four waves of
+    programs without splitting (the tail is short), or contexts that cannot be that long. Static shapes only (a
+    CUDA graph per choice)."""
+    base = decode_num_splits(batch, num_kv_heads, max_blocks, block_size, device)
+    sms = sm_count(device if device is not None else torch.device("cpu"))
+    if batch * num_kv_heads > 4 * sms or max_blocks * block_size <= LONG_CONTEXT_TOKENS or base >= _LONG_SPLITS:
+        return None
+    return _LONG_SPLITS
+
+
 def decode_workspace_numel(batch: int, num_heads: int, head_dim: int, num_splits: int = _MAX_SPLITS) -> int:
     """float32 elements of the split-KV workspace for up to ``batch`` sequences and ``num_splits`` splits."""
     return batch * num_heads * num_splits * (head_dim + 1)

@@ -5,7 +5,13 @@ import triton
 import triton.language as tl
 
 from nanovllm.attention.torch_ref import paged_attention_ref
-from nanovllm.kernels.decode_attention import decode_num_splits, decode_workspace_numel, paged_decode_attention
+from nanovllm.kernels.decode_attention import (
+    LONG_CONTEXT_TOKENS,
+    decode_long_splits,
+    decode_num_splits,
+    decode_workspace_numel,
+    paged_decode_attention,
+)
 from nanovllm.kernels.prefill_attention import _sorted_tile, paged_prefill_attention
 from nanovllm.kernels.prefill_config import TileConfig
 
@@ -303,6 +309,42 @@ def test_decode_num_splits_heuristic():
     assert decode_num_splits(1, 8, 2048, 16, cpu) > 1            # one long sequence: split
     assert decode_num_splits(1, 8, 4, 16, cpu) == 1              # short context: never split
     assert decode_num_splits(1, 1, 100000, 16, cpu) <= 32
+
+
+def test_decode_long_splits_rule():
+    """Long contexts split a batch of up to four waves of programs in four (a graph per choice), where the default
+    would split less; a full batch, a model length no longer than the long-context mean, or a batch the default
+    already splits as much keep the default (None)."""
+    cpu = torch.device("cpu")  # (132 SMs)
+    assert LONG_CONTEXT_TOKENS == 4096
+    assert decode_num_splits(64, 8, 33, 256, cpu) == 1 and decode_long_splits(64, 8, 33, 256, cpu) == 4
+    assert decode_num_splits(32, 8, 33, 256, cpu) == 2 and decode_long_splits(32, 8, 33, 256, cpu) == 4
+    assert decode_long_splits(66, 8, 33, 256, cpu) == 4 and decode_long_splits(67, 8, 33, 256, cpu) is None
+    assert decode_long_splits(256, 8, 33, 256, cpu) is None    # 2,048 programs: the tail is short
+    assert decode_long_splits(64, 8, 16, 256, cpu) is None     # max_model_len 4,096: no mean context above it
+    assert decode_long_splits(8, 8, 33, 256, cpu) is None      # the default splits in 5 already
+
+
+@pytest.mark.parametrize("splits", [None, 4])
+def test_backend_decode_step_takes_the_metadata_splits(device, monkeypatch, splits):
+    """A decode step's metadata carries the KV splits (a decode graph's choice) to the decode kernel, None its
+    default; the result is the reference's either way."""
+    from nanovllm.attention.backend import AttentionMetadata, TritonAttentionBackend
+    batch = make_batch(DECODE, 4, 2, 32, 16, torch.float32, device, seed=5)
+    seen = []
+    real = paged_decode_attention
+
+    def spy(*args, **kw):
+        seen.append(kw["num_splits"])
+        return real(*args, **kw)
+    be = TritonAttentionBackend()
+    monkeypatch.setattr(be.k, "paged_decode_attention", spy)
+    T = batch["q"].shape[0]
+    meta = AttentionMetadata(torch.full((T,), -1, dtype=torch.int32, device=device), batch["cu_seqlens_q"],
+                             batch["seq_lens"], batch["block_tables"], 1, is_decode=True, decode_splits=splits)
+    out = be.attend(batch["q"], batch["k_cache"], batch["v_cache"], meta, 0.3)
+    assert seen == [splits]
+    torch.testing.assert_close(out, reference(batch, 0.3), **TOL[torch.float32])
 
 
 def test_argument_checks(device):
