@@ -25,8 +25,10 @@ kv_cache_dtype="fp8"); SDPA and FA3 get the dequantized values in bf16, so the c
 
 decode: the decode kernel (``paged_decode_attention``) at 256 sequences of 100-2,048 tokens (uniform, seeded),
 32 / 8, 32 / 4 and 16 / 8 heads (Qwen3-8B, Qwen3-30B-A3B, Qwen3-0.6B), over a bf16 cache and an e4m3 one with
-per-(token, head) scales; microseconds, achieved TB/s over the bytes read, and the error against
-``paged_attention_ref``. --sweep times every (BLOCK_N, num_warps, num_stages) launch and prints the best.
+per-(token, head) scales, launched as a decode graph launches it: the longest sequence first, and the KV splits
+the engine takes for the shape (``decode_long_splits`` when the mean context is long, e.g. ``--batch 64 --ctx
+6000-8200``); microseconds, achieved TB/s over the bytes read, and the error against ``paged_attention_ref``.
+--sweep times every (BLOCK_N, num_warps, num_stages) launch and prints the best; --splits N forces N KV splits.
 
 moe: the fused mixture-of-experts layer (``nanovllm.kernels.moe``) at Qwen3-30B-A3B's shapes (hidden 2048, 128
 experts, top-8, expert width 768 / tp) in bf16, random weights (N(0, 0.02), the router too). For each token count
@@ -57,6 +59,11 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from nanovllm.engine.gemm_plan import graph_seconds  # noqa: E402
+from nanovllm.kernels.decode_attention import (  # noqa: E402
+    LONG_CONTEXT_TOKENS,
+    decode_long_splits,
+    paged_decode_attention,
+)
 from nanovllm.kernels.moe import fused_moe, moe_down, moe_gate_up  # noqa: E402
 from nanovllm.kernels.moe_configs import GemmTile, MoEConfig, moe_config  # noqa: E402
 from nanovllm.kernels.moe_routing import moe_route, moe_route_align  # noqa: E402
@@ -463,17 +470,22 @@ class DecodeCase:
             (k, ks), (v, vs) = quantize_kv_ref(k), quantize_kv_ref(v)
             self.scales = (ks.view(total, BLOCK, Hkv), vs.view(total, BLOCK, Hkv))
         self.k_cache, self.v_cache = k.view(total, BLOCK, Hkv, D), v.view(total, BLOCK, Hkv, D)
+        # the engine's launch: longest first, and its KV splits for the shape (None: the kernel's default)
+        self.order = torch.argsort(self.lens, descending=True, stable=True).int().to(dev)
+        long = self.lens.float().mean().item() >= LONG_CONTEXT_TOKENS
+        self.splits = decode_long_splits(B, Hkv, self.bt.shape[1], BLOCK, torch.device(dev)) if long else None
         self.bt, self.lens = self.bt.to(dev), self.lens.to(dev)
         self.q = torch.randn(B, H, D, device=dev, dtype=torch.bfloat16)
         self.out = torch.empty_like(self.q)
         tokens = int(self.lens.sum())
         self.bytes = tokens * Hkv * (2 * D * k.element_size() + (8 if kv_fp8 else 0))
 
-    def run(self, **kw):
-        from nanovllm.kernels.decode_attention import paged_decode_attention
+    def run(self, num_splits=None, **kw):
         ks, vs = self.scales
+        splits = num_splits or self.splits
         return lambda: paged_decode_attention(self.q, self.k_cache, self.v_cache, self.lens, self.bt,
-                                              self.D ** -0.5, out=self.out, k_scales=ks, v_scales=vs, **kw)
+                                              self.D ** -0.5, out=self.out, k_scales=ks, v_scales=vs,
+                                              order=self.order, num_splits=splits, **kw)
 
     def reference(self) -> torch.Tensor:
         from nanovllm.attention.torch_ref import paged_attention_ref
@@ -492,6 +504,7 @@ def decode(argv: list[str]) -> None:
     ap.add_argument("--ctx", default="100-2048", help="context lengths, uniform in lo-hi")
     ap.add_argument("--heads", default="32/8,32/4,16/8", help="query/KV heads, comma-separated (head_dim 128)")
     ap.add_argument("--sweep", action="store_true", help="every (BLOCK_N, num_warps, num_stages) launch too")
+    ap.add_argument("--splits", type=int, default=None, help="KV splits (default: the engine's for the shape)")
     ns = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("kernel_bench.py decode needs a CUDA GPU")
@@ -508,9 +521,10 @@ def decode(argv: list[str]) -> None:
             ref = case.reference().float()
             best = None
             for launch in launches:
-                name = f"{H}/{Hkv} {'e4m3' if fp8 else 'bf16'} {str(launch or 'default'):14s}"
+                splits = ns.splits or case.splits
+                name = f"{H}/{Hkv} {'e4m3' if fp8 else 'bf16'} {str(launch or 'default'):14s} splits {splits or 'auto'}"
                 try:
-                    fn = case.run(launch=launch)
+                    fn = case.run(num_splits=ns.splits, launch=launch)
                     fn()
                     err = ((case.out.float() - ref).abs().max() / ref.abs().max()).item()
                     us = _time(fn) * 1e3

@@ -72,7 +72,7 @@ def prefill_graph_sizes(config: EngineConfig) -> list[int]:
 
 # (inputs, batch size, the decode kernel's KV splits or None for its default) -> logits of every row /
 # (inputs, rows, sequences) -> hidden states of the logits rows
-DecodeForward = Callable[[StepInputs, int, "int | None"], torch.Tensor]
+DecodeForward = Callable[[StepInputs, int, int | None], torch.Tensor]
 StepForward = Callable[[StepInputs, int, int], torch.Tensor]
 
 
