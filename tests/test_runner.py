@@ -191,3 +191,34 @@ def test_long_context_decode_steps_replay_their_own_graph():
     assert g.find(step([8000] * 20 + [100] * 20)) == ("decode", 48)       # mean 4,050
     assert g.find(step([8000] * 21 + [100] * 19)) == ("decode-long", 48)  # mean 4,248
     assert g.find(step([8000] * 10)) == ("decode", 16)                    # no long graph at 16
+
+
+def test_eager_decode_steps_take_the_long_context_splits(tiny_ckpt, monkeypatch):
+    """Without graphs a decode step takes the same rule: its mean context at or above the threshold (lowered here
+    to 32 tokens, as the tiny model's contexts are short) sends the long-context splits to the decode kernel (the
+    Triton kernels on the CPU interpreter, float32); greedy tokens equal the torch backend's."""
+    pytest.importorskip("triton")
+    from nanovllm import SamplingParams
+    from nanovllm.kernels import decode_attention
+
+    path = tiny_ckpt("qwen3")
+    prompts = [[(7 * i + 3 * j) % 200 + 5 for j in range(40 + 9 * i)] for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    kw = dict(device="cpu", dtype="float32", kvcache_block_size=16, max_num_batched_tokens=256, max_model_len=256)
+    ref = [o["token_ids"] for o in LLM(path, attention_backend="torch", **kw).generate(prompts, params,
+                                                                                      use_tqdm=False)]
+    monkeypatch.setattr(decode_attention, "LONG_CONTEXT_TOKENS", 32)
+    llm = LLM(path, attention_backend="triton", **kw)
+    runner = llm.engine.runner
+    assert runner.long_context_tokens == 32
+    seen = []
+    backend = runner.attn_layers[0].backend   # (the Triton kernels' package, shared by every layer)
+    kernel = backend.k.paged_decode_attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("num_splits"))
+        return kernel(*args, **kwargs)
+    monkeypatch.setattr(backend.k, "paged_decode_attention", spy)
+    out = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert seen and set(seen) == {4}, seen   # every decode step: mean context >= 32, four splits
+    assert out == ref
