@@ -171,9 +171,10 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size
 
 # Long contexts (a prompt of thousands of tokens): a decode step of a few dozen such sequences launches B * Hkv
 # programs of ~50 KV tiles each, one per SM at a time, so the last wave idles most SMs for a whole program.
-# Four splits (each >= _LONG_SPLIT_TOKENS on average) fill it: at 64 sequences of 6-8k tokens, 16 / 8 heads,
-# 420 vs 454 us; at 56, 377 vs 430 (`kernel_bench.py decode`-style probe, 2026-12-01). Short contexts lose by
-# splitting (the reduce kernel and the partial rows: 93 sequences of 300-1,300 tokens, 32 / 4 heads, 54 vs 45 us).
+# Four splits (each >= _LONG_SPLIT_TOKENS on average) fill it: 432 vs 466 us at 64 sequences of 6,000-8,200
+# tokens, 16 / 8 heads (`kernel_bench.py decode --batch 64 --ctx 6000-8200 --heads 16/8 [--splits 1]`, H200,
+# 2026-12-01); 377 vs 430 at 56 in CUDA graphs. Short contexts lose by splitting (the reduce kernel and the
+# partial rows: 93 sequences of 300-1,300 tokens, 32 / 4 heads, 54 vs 45 us).
 _LONG_SPLITS = 4
 _LONG_SPLIT_TOKENS = 1024
 LONG_CONTEXT_TOKENS = _LONG_SPLITS * _LONG_SPLIT_TOKENS  # mean context of a step that takes decode_long_splits
@@ -182,9 +183,9 @@ LONG_CONTEXT_TOKENS = _LONG_SPLITS * _LONG_SPLIT_TOKENS  # mean context of a ste
 def decode_long_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
                        device: torch.device | None = None) -> int | None:
     """KV splits for a decode step of up to ``batch`` sequences whose mean context is at least
-    ``LONG_CONTEXT_TOKENS``, or None where they would be ``decode_num_splits``' own: more than four waves of
-    programs without splitting (the tail is short), or contexts that cannot be that long. Static shapes only (a
-    CUDA graph per choice)."""
+    ``LONG_CONTEXT_TOKENS``, or None where ``decode_num_splits``' own stay: more than four waves of programs without
+    splitting (the tail is short), a model length no longer than that mean, or a batch it splits as much already.
+    Static shapes only (a CUDA graph per choice)."""
     base = decode_num_splits(batch, num_kv_heads, max_blocks, block_size, device)
     sms = sm_count(device if device is not None else torch.device("cpu"))
     if batch * num_kv_heads > 4 * sms or max_blocks * block_size <= LONG_CONTEXT_TOKENS or base >= _LONG_SPLITS:
