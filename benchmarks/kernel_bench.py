@@ -506,6 +506,8 @@ def decode(argv: list[str]) -> None:
     ap.add_argument("--sweep", action="store_true", help="every (BLOCK_N, num_warps, num_stages) launch too")
     ap.add_argument("--splits", type=int, default=None, help="KV splits (default: the engine's for the shape)")
     ns = ap.parse_args(argv)
+    if ns.splits is not None and ns.splits < 1:
+        ap.error(f"--splits must be >= 1, got {ns.splits}")
     if not torch.cuda.is_available():
         raise SystemExit("kernel_bench.py decode needs a CUDA GPU")
     lo, hi = map(int, ns.ctx.split("-"))

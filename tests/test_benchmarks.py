@@ -190,3 +190,10 @@ def test_sampling_bench_rejects_zero_rounds(capsys):
     with pytest.raises(SystemExit):
         bench_sampling_features.main(["--model", model, "--host-only", "--rounds", "0"])
     assert "--rounds must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_kernel_bench_decode_rejects_zero_splits(capsys):
+    import kernel_bench
+    with pytest.raises(SystemExit):
+        kernel_bench.main(["decode", "--splits", "0"])
+    assert "--splits must be >= 1, got 0" in capsys.readouterr().err

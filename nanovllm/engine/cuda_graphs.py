@@ -70,6 +70,12 @@ def prefill_graph_sizes(config: EngineConfig) -> list[int]:
     return sizes + [budget]
 
 
+def long_context(batch: StepBatch, long_context_tokens: int | None) -> bool:
+    """Whether a decode step takes the decode kernel's long-context KV splits: its mean context is at least
+    `long_context_tokens` (None: never, no such splits)."""
+    return long_context_tokens is not None and sum(batch.seq_lens) >= long_context_tokens * batch.num_seqs
+
+
 # (inputs, batch size, the decode kernel's KV splits or None for its default) -> logits of every row /
 # (inputs, rows, sequences) -> hidden states of the logits rows
 DecodeForward = Callable[[StepInputs, int, int | None], torch.Tensor]
@@ -88,7 +94,7 @@ class CUDAGraphs:
 
     def __init__(self, config: EngineConfig, device: torch.device, decode_forward: DecodeForward,
                  step_forward: StepForward, long_splits: Callable[[int], int | None] = lambda b: None,
-                 long_context_tokens: int = 0):
+                 long_context_tokens: int | None = None):
         """`long_splits(B)`: the decode kernel's KV splits for B sequences of long contexts (a mean of at least
         `long_context_tokens`), None where they are its default's (no second graph)."""
         self.decode_sizes = decode_graph_sizes(config)
@@ -147,7 +153,7 @@ class CUDAGraphs:
         None: run eagerly."""
         if batch.is_decode and self.decode and batch.num_seqs <= self.decode_sizes[-1]:
             b = self.decode_sizes[bisect.bisect_left(self.decode_sizes, batch.num_seqs)]
-            if b in self.decode_long and sum(batch.seq_lens) >= self.long_context_tokens * batch.num_seqs:
+            if b in self.decode_long and long_context(batch, self.long_context_tokens):
                 return "decode-long", b
             return "decode", b
         if batch.num_logits and self.step and batch.num_tokens <= self.step_sizes[-1]:

@@ -21,7 +21,7 @@ from nanovllm.config import EngineConfig
 from nanovllm.distributed.group import TPGroup
 from nanovllm.engine import kv_cache
 from nanovllm.engine.batch import LateInputs, SamplingBatch, StepBatch
-from nanovllm.engine.cuda_graphs import MIXED_MAX_TOKENS, CUDAGraphs
+from nanovllm.engine.cuda_graphs import MIXED_MAX_TOKENS, CUDAGraphs, long_context
 from nanovllm.engine.executor import StepResult
 from nanovllm.engine.step_inputs import Layout, Staging, StepInputs
 from nanovllm.engine.step_timer import StepProfiler, StepTimer
@@ -76,7 +76,7 @@ class ModelRunner:
         self.graphs: CUDAGraphs | None = None
         if self.device.type == "cuda" and not config.args.enforce_eager:
             self.graphs = CUDAGraphs(config, self.device, self._decode_forward, self._step_forward,
-                                     self._long_decode_splits, self.long_context_tokens or 0)
+                                     lambda b: self._decode_splits(b, long=True), self.long_context_tokens)
         t0 = time.perf_counter()
         self.num_kvcache_blocks = self._allocate_kv_cache()  # (its warm-up steps run eagerly: no graphs yet)
         self.kv_seconds = time.perf_counter() - t0  # KV sizing, incl. the warm-up steps' kernel compiles
@@ -190,9 +190,8 @@ class ModelRunner:
             # order), whose variant is compiled at their capture: another (a split count varying with the step)
             # would compile mid-run, ~0.6 s
             meta.decode_lens, meta.prefill_cu, meta.decode_splits = v.dec_lens, v.cu_pre, 1
-        elif batch.is_decode and self.long_context_tokens is not None and \
-                sum(batch.seq_lens) >= self.long_context_tokens * n:
-            meta.decode_splits = self._long_decode_splits(n)  # as the decode graphs choose (None: the default)
+        elif batch.is_decode and long_context(batch, self.long_context_tokens):
+            meta.decode_splits = self._decode_splits(n, long=True)  # as the decode graphs choose (None: the default)
         ids = self._input_ids(v) if batch.placeholder_pos else v.ids
         if keep_all:
             return self.model(ids, v.pos, meta)                                # (T, hidden)
@@ -211,22 +210,15 @@ class ModelRunner:
             v.pos[v.logits_indices] + 1, meta.block_tables[seqs], max_seqlen_q=1, is_decode=False))
         return self.model(ids, v.pos, meta, rows)                              # (S, hidden)
 
-    def _decode_splits(self, batch: int) -> int:
-        """The decode kernel's KV splits for `batch` sequences, as a decode graph of that size uses them."""
+    def _decode_splits(self, batch: int, long: bool = False) -> int | None:
+        """The decode kernel's KV splits for `batch` sequences, as a decode graph of that size uses them; `long`:
+        for long contexts (``decode_long_splits``: None where they are the default's)."""
         if self.config.attention_backend != "triton":
-            return 1
-        from nanovllm.kernels.decode_attention import decode_num_splits
-        return decode_num_splits(batch, self.attn_layers[0].num_kv_heads,
-                                 -(-self.config.max_model_len // self.block_size), self.block_size, self.device)
-
-    def _long_decode_splits(self, batch: int) -> int | None:
-        """The decode kernel's KV splits for up to `batch` sequences of long contexts (``decode_long_splits``), None
-        where they are its default's."""
-        if self.config.attention_backend != "triton":
-            return None
-        from nanovllm.kernels.decode_attention import decode_long_splits
-        return decode_long_splits(batch, self.attn_layers[0].num_kv_heads,
-                                  -(-self.config.max_model_len // self.block_size), self.block_size, self.device)
+            return None if long else 1
+        from nanovllm.kernels.decode_attention import decode_long_splits, decode_num_splits
+        rule = decode_long_splits if long else decode_num_splits
+        return rule(batch, self.attn_layers[0].num_kv_heads, -(-self.config.max_model_len // self.block_size),
+                    self.block_size, self.device)
 
     def _prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
         """Raw log-probability, 1-based rank and top tokens of each prompt token a row of `hidden` (T, hidden)
