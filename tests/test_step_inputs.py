@@ -54,3 +54,16 @@ def test_mixed_step_split_fields_and_graph_padding():
     v = stage.upload(batch, Layout.make(6, 3, 1, 3, 2))
     assert v.banned_rows.tolist() == [0, 2] and v.banned_tokens.tolist() == [5, 7]
     assert v.cu_pre.tolist() == [2, 2, 2, 6]
+
+
+def test_ragged_block_tables_fill_their_rows_and_zero_the_rest():
+    """Tables of 3, 0, 1 and 2 blocks in a 4-column layout with a padding row: each row starts at its own column
+    0, and every entry past a table (stale bytes before) is block 0."""
+    batch = _decode_batch([600, 1, 200, 300])
+    batch.block_tables = [[7, 8, 9], [], [5], [11, 12]]
+    stage = Staging(torch.device("cpu"))
+    stage.hosts[1][:] = 0xFF
+    v = stage.upload(batch, Layout.make(5, 5, 4, 5))
+    assert v.block_tables(5, 4).tolist() == [[7, 8, 9, 0], [0, 0, 0, 0], [5, 0, 0, 0], [11, 12, 0, 0], [0] * 4]
+    empty = _decode_batch([])
+    assert stage.upload(empty, Layout.make(2, 2, 3, 2)).block_tables(2, 3).tolist() == [[0] * 3] * 2

@@ -196,21 +196,26 @@ def build_step_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
     for b, (seq, n, k) in enumerate(zip(out.seqs, out.num_new_tokens, num_drafts)):
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
         real_end = end - k  # then k draft tokens
-        if seq.token_ids[real_end - 1] == PLACEHOLDER:  # only ever the last token, sampled by the step in flight
+        toks, table = seq.token_ids, seq.block_table
+        if toks[real_end - 1] == PLACEHOLDER:  # only ever the last token, sampled by the step in flight
             ph_pos.append(len(input_ids) + n - k - 1)
             ph_rows.append(seq.pending_row)
-        input_ids.extend(seq.token_ids[start:real_end])
-        if k:
-            input_ids.extend(seq.draft_ids[:k])
-        positions.extend(range(start, end))
-        table = seq.block_table
-        pos = start
-        while pos < end:  # one contiguous run of slots per block
-            blk, off = divmod(pos, block_size)
-            run = min(end - pos, block_size - off)
-            base = table[blk] * block_size + off
-            slots.extend(range(base, base + run))
-            pos += run
+        if n == 1:  # one token (decode, or a prompt's last): most rows of most steps
+            input_ids.append(toks[start])
+            positions.append(start)
+            slots.append(table[start // block_size] * block_size + start % block_size)
+        else:
+            input_ids.extend(toks[start:real_end])
+            if k:
+                input_ids.extend(seq.draft_ids[:k])
+            positions.extend(range(start, end))
+            pos = start
+            while pos < end:  # one contiguous run of slots per block
+                blk, off = divmod(pos, block_size)
+                run = min(end - pos, block_size - off)
+                base = table[blk] * block_size + off
+                slots.extend(range(base, base + run))
+                pos += run
         if seq.prompt_logprobs is not None:  # rows q predict prompt token q + 1; skip those already recorded
             first, last = max(start, len(seq.prompt_logprobs) - 1), min(end, seq.num_prompt_tokens - 1)
             if first < last:
@@ -221,10 +226,10 @@ def build_step_batch(out: SchedulerOutput, block_size: int) -> StepBatch:
         cu.append(cu[-1] + n)
         seq_lens.append(end)
         tables.append(table)
-        if real_end == seq.num_tokens:
+        if real_end == len(toks):
             row = len(logits_indices)
             p = seq.params
-            step = seq.num_output_tokens
+            step = real_end - seq.num_prompt_tokens  # (num_output_tokens)
             if not k:  # one logits row: its last token's
                 logits_indices.append(cu[-1] - 1)
                 logits_seqs.append(b)

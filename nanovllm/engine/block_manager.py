@@ -146,6 +146,8 @@ class BlockManager:
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Extend `seq`'s block table with fresh blocks so it covers `num_tokens` tokens."""
         need = self.blocks_for(num_tokens) - len(seq.block_table)
+        if need <= 0:  # (a decode step, mostly)
+            return
         if need > len(self.free):
             raise RuntimeError(f"out of KV blocks: need {need}, have {len(self.free)}")
         events = self.events
@@ -187,6 +189,8 @@ class BlockManager:
             return
         bs = self.block_size
         n_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        if n_full <= seq.num_hashed_blocks:  # no block completed since the last call (most steps)
+            return
         events = self.events
         chain: list[int] = []   # (with a listener) the blocks entered since the last one that was not
         chain_toks: list[tuple[int, ...]] = []
@@ -210,7 +214,7 @@ class BlockManager:
                 chain, chain_toks = [], []
         if chain:
             events.stored(chain, chain_parent, chain_toks)
-        seq.num_hashed_blocks = max(seq.num_hashed_blocks, n_full)
+        seq.num_hashed_blocks = n_full
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (vLLM's `reset_prefix_cache`). Only while no sequence holds a block: returns

@@ -258,9 +258,10 @@ class ModelRunner:
             temperatures=v.temps[:S], top_ks=v.top_ks[:S], top_ps=v.top_ps[:S], min_ps=v.min_ps[:S],
             seeds=v.seeds[:S], steps=v.steps[:S],
             banned_rows=banned[0] if banned else None, banned_tokens=banned[1] if banned else None,
-            all_greedy=all(t == 0.0 for t in sb.temperatures),
-            need_top_k=any(k > 0 for k in sb.top_ks), need_top_p=any(p < 1.0 for p in sb.top_ps),
-            need_min_p=any(p > 0.0 for p in sb.min_ps), max_logprobs=max(asked) if asked else None,
+            # (SamplingParams checks temperature >= 0, top_k >= -1, top_p <= 1 and min_p >= 0)
+            all_greedy=max(sb.temperatures, default=0.0) == 0.0, need_top_k=max(sb.top_ks, default=0) > 0,
+            need_top_p=min(sb.top_ps, default=1.0) < 1.0, need_min_p=max(sb.min_ps, default=0.0) > 0.0,
+            max_logprobs=max(asked) if asked else None,
             features=self.slot_state.prepare(sb.features) if sb.features is not None else None,
             slot_state=self.slot_state, draft_rows=drafts[0] if drafts else None,
             draft_tokens=drafts[1] if drafts else None)

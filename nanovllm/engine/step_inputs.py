@@ -8,6 +8,7 @@ over the views of its own fixed layout, so replaying it needs no copy beyond tha
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from itertools import chain
 
 import numpy as np
 import torch
@@ -118,11 +119,13 @@ def pack(batch: StepBatch, layout: Layout, host: torch.Tensor) -> None:
     order = arr["order"]
     order[:nd] = np.argsort(-np.asarray(batch.seq_lens[:nd]), kind="stable")
     order[nd:] = np.arange(nd, layout.B)
-    W = layout.W
     tables = arr["tables"]
     tables[:] = 0  # columns past a sequence's last block are never used, but must be valid block ids
-    for i, t in enumerate(batch.block_tables):
-        tables[i * W:i * W + len(t)] = t
+    if B:  # the ragged tables in one assignment: entry j of row i goes to i * W + j
+        lens = np.fromiter(map(len, batch.block_tables), dtype=np.int64, count=B)
+        flat = np.fromiter(chain.from_iterable(batch.block_tables), dtype=np.int32, count=int(lens.sum()))
+        row_base = np.arange(B) * layout.W - (np.cumsum(lens) - lens)  # row start minus its entries' flat start
+        tables[np.arange(flat.size) + np.repeat(row_base, lens)] = flat
     arr["logits_indices"][:S] = batch.logits_indices
     arr["logits_indices"][S:] = 0  # a graph's padded rows gather row 0 (valid, unused)
     arr["logits_seqs"][:S] = batch.logits_seqs
