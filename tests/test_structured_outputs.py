@@ -38,9 +38,17 @@ def check_schema(text: str) -> None:
         assert isinstance(obj["tags"], list) and len(obj["tags"]) <= 3 and set(obj["tags"]) <= {"a", "b", "c"}
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-3-grammar-workers"])
 def llm(tiny_ckpt, request):
-    return LLM(tiny_ckpt("qwen3"), device="cpu", kvcache_block_size=16, async_scheduling=request.param)
+    """With async scheduling, the sequences' matchers are split over three grammar processes (one elsewhere, as on
+    a machine of fewer than 8 CPUs)."""
+    with pytest.MonkeyPatch.context() as mp:
+        if request.param:
+            mp.setattr("nanovllm.engine.structured.grammar_workers", lambda cpus: (3, 1))
+        engine = LLM(tiny_ckpt("qwen3"), device="cpu", kvcache_block_size=16, async_scheduling=request.param)
+        assert engine.engine.structured is not None  # built now (else at the first structured request)
+    yield engine
+    assert len(engine.engine.structured.proc.procs) == (3 if request.param else 1)  # (a restarted one too)
 
 
 def _gen(llm, spec, n_seeds=4, max_tokens=60, **kw):
@@ -321,11 +329,11 @@ def test_the_grammar_process_ends_with_the_engine(tiny_ckpt):
                                                     structured_outputs=StructuredOutputsParams(choice=CHOICES)),
                        use_tqdm=False)
     assert out[0].outputs[0].text in CHOICES
-    child = llm.engine.structured.proc.proc
-    assert child.poll() is None
+    children = llm.engine.structured.proc.procs
+    assert children and all(c.poll() is None for c in children)
     assert set(glob.glob(os.path.join("/dev/shm", "nanovllm-bitmask-*"))) == before
     llm.shutdown()
-    assert child.wait(timeout=10) == 0
+    assert all(c.wait(timeout=10) == 0 for c in children)
 
 
 def test_a_dead_grammar_process_finishes_its_sequences_and_a_new_one_takes_over(llm):
@@ -341,8 +349,8 @@ def test_a_dead_grammar_process_finishes_its_sequences_and_a_new_one_takes_over(
     done = {}
     for step in range(60):
         if step == 3:
-            old.proc.kill()
-            old.proc.wait()
+            old.procs[0].kill()
+            old.procs[0].wait()
         for out in eng.step()[0]:
             if out.finished:
                 done[out.request_id] = out
@@ -372,3 +380,16 @@ def test_schemas_hold_through_preemption(tiny_ckpt, async_scheduling):
         check_schema(o.outputs[0].text)
     assert llm.engine.structured.stats()["matchers"] == 0
     llm.shutdown()
+
+
+def test_grammar_workers_by_cpus():
+    """A grammar process per 4 CPUs (at most 4), and half the CPUs' fill threads split between them."""
+    from nanovllm.engine.structured import grammar_workers
+    assert [grammar_workers(c) for c in (1, 2, 7, 8, 16, 64)] == [(1, 1), (1, 1), (1, 3), (2, 2), (4, 2), (4, 8)]
+
+
+def test_a_grammar_process_needs_a_worker():
+    from nanovllm.engine.grammar_worker import GrammarProcess
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match="workers >= 1"):
+            GrammarProcess("{}", 10, 4, threads=1, pin_memory=False, workers=bad)

@@ -1,28 +1,32 @@
-"""The grammar process: xgrammar's matchers (one per constrained sequence) in a child process of the engine, and
-the engine's handle on it (`GrammarProcess`).
+"""The grammar process: xgrammar's matchers (one per constrained sequence) in child processes of the engine, and
+the engine's handle on them (`GrammarProcess`).
 
-Why a process: every step each constrained sequence's matcher accepts its new token and then fills the bitmask of
-its next token: ~1 ms for 256 JSON rows on an H200 host (2026-12-01), C++ work during which xgrammar holds the GIL,
-so on a thread it could not run beside the engine's Python. In a child process it does. The engine sends the job
-as soon as step N's tokens are read, with the rows of step N + 1 (already launched) to fill; it then does N's stop
-checks and outputs, schedules and builds step N + 2, and only then collects the masks and samples N + 1
+Why processes: every step each constrained sequence's matcher accepts its new token and then fills the bitmask of
+its next token. That is C++ work during which xgrammar holds the GIL, so on a thread it could not run beside the
+engine's Python; in a child process it does. The accepts are serial inside xgrammar, ~6 us a token for a JSON
+schema (256 rows: ~1.6 ms on a 2-core CPU, where the 256 fills took 0.16 ms; 2026-12-02), longer than the host work
+they hide behind, so the sequences are split over several children (`workers`, chosen by engine/structured.py from
+the CPUs): child r owns the matchers of the seq_ids with seq_id % workers == r. The engine sends the job as soon as
+step N's tokens are read, with the rows of step N + 1 (already launched) to fill; it then does N's stop checks and
+outputs, schedules and builds step N + 2, and only then collects the masks and samples N + 1
 (engine/llm_engine.py `_sample_inflight`).
 
-    engine: GrammarProcess                          child: serve()
+    engine: GrammarProcess                          each child: serve()
     add(sid, kind, text) / drop(sid)   (queued, sent with the next job)
-    submit(accepts, fill)  ---- job ---->           new matchers (grammars compiled once per spec), drops,
-                                                    accept each (sid, token), fill bitmask row i for fill[i]
+    submit(accepts, fill)  ---- job ---->           (its own sids) new matchers (grammars compiled once per spec),
+                           (to every child)         drops, accept each (sid, token), fill bitmask row i for fill[i]
                                                     and point its logits row's index entry at it
-    collect()              <--- reply ---           (sids whose token broke their grammar, compile errors)
+    collect()              <--- replies ---         (sids whose token broke their grammar, compile errors)
 
 The step's masks are two arrays the sampler takes as they are (nanovllm.kernels.sample): `index`, the bitmask row of
-each logits row of the step (-1: unconstrained, or its grammar has ended), and `mask`, the bitmask rows. Both live
-in a file both processes map (`torch.from_file(shared=True)`; the child unlinks it once mapped, so nothing is left
-behind), page-locked on CUDA (cudaHostRegister) so that their copies to the device are asynchronous, and the engine
-does no per-row work for them. The child writes them only between a job and its reply, and the engine submits a
-job only after reading the result of the step whose sampler last read them (which waits for that sampling, and so
-for the copies before it).
-Messages are pickled over the child's stdin and a duplicate of its stdout (stray prints go to stderr); one job is
+each logits row of the step (-1: unconstrained, or its grammar has ended; the engine resets the step's entries to
+-1 before each job), and `mask`, the bitmask rows (fill i -> row i: the children's rows never overlap). Both live in
+a file every process maps (`torch.from_file(shared=True)`; the engine unlinks it once every child has answered that
+it has mapped it, so nothing is left behind), page-locked on CUDA (cudaHostRegister) so that their copies to the
+device are asynchronous, and the engine does no per-row work for them. The children write them only between a job
+and its reply, and the engine submits a job only after reading the result of the step whose sampler last read
+them (which waits for that sampling, and so for the copies before it).
+Messages are pickled over each child's stdin and a duplicate of its stdout (stray prints go to stderr); one job is
 in flight at a time.
 """
 from __future__ import annotations
@@ -115,9 +119,9 @@ class _Worker:
         info = xgr.TokenizerInfo.deserialize_json(init["tokenizer_info"])
         self.compiler = xgr.GrammarCompiler(info, cache_enabled=False)
         self.num_tokens = init["num_tokens"]
+        self.rank, self.workers = init["rank"], init["workers"]
         rows, words = init["rows"], init["words"]
-        _, self.index, self.mask = _views(init["path"], rows, words)
-        os.unlink(init["path"])  # both processes have it mapped: nothing to clean up if either dies
+        _, self.index, self.mask = _views(init["path"], rows, words)  # (the engine unlinks it once all have it)
         self.fills = FillChooser(xgr, threads=init["threads"])
         self.accepter = self.fills.serial  # accept is serial in xgrammar whatever its thread count
         self.grammars: dict[tuple[str, str], object] = {}
@@ -133,37 +137,40 @@ class _Worker:
         self.grammars[key] = g  # most recently used last
         return g
 
-    def job(self, adds, drops, acc_sids, acc_toks, fill, fill_rows, num_rows) -> tuple[list[int], dict[int, str]]:
+    def job(self, adds, drops, acc_sids, acc_toks, fill, fill_rows) -> tuple[list[int], dict[int, str]]:
+        """The whole step's job, of which this worker does its own sequences' part (seq_id % workers == rank):
+        new matchers, drops, accepts, and bitmask row i for fill[i], with index[fill_rows[i]] = i (the engine has
+        set the step's index to -1)."""
+        mine, K, r = self.matchers, self.workers, self.rank
         errors = {}
         for sid, kind, text in adds:
+            if sid % K != r:
+                continue
             try:
-                self.matchers[sid] = self.xgr.GrammarMatcher(self._grammar(kind, text))
+                mine[sid] = self.xgr.GrammarMatcher(self._grammar(kind, text))
             except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / its own types for bad specs
                 errors[sid] = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         for sid in drops:
-            self.matchers.pop(sid, None)
-        # a sid without a matcher (dropped: its sequence finished; or its grammar failed to compile, reported once)
-        # has nothing to accept
-        live = [i for i, sid in enumerate(acc_sids) if sid in self.matchers]
+            mine.pop(sid, None)
+        # a sid without a matcher here (another worker's; dropped: its sequence finished; or its grammar failed to
+        # compile, reported once) has nothing to accept
+        live = [i for i, sid in enumerate(acc_sids) if sid in mine]
         broken = []
         if live:
-            ok = self.accepter.batch_accept_token([self.matchers[acc_sids[i]] for i in live],
-                                                  [acc_toks[i] for i in live])
+            ok = self.accepter.batch_accept_token([mine[acc_sids[i]] for i in live], [acc_toks[i] for i in live])
             broken = [acc_sids[i] for i, a in zip(live, ok) if not a]
-        index = [-1] * num_rows
-        rows, ms = [], []
+        rows, logits_rows, ms = [], [], []
         for i, (sid, row) in enumerate(zip(fill, fill_rows)):
-            m = self.matchers.get(sid)
+            m = mine.get(sid)
             if m is not None and not m.is_terminated():
                 rows.append(i)
+                logits_rows.append(row)
                 ms.append(m)
-                index[row] = i
-        self.index[:num_rows] = torch.tensor(index, dtype=torch.int32)
         if ms:
-            mask = self.mask[:len(fill)]
-            self.fills.fill(ms, mask, rows)
+            self.index[torch.tensor(logits_rows)] = torch.tensor(rows, dtype=torch.int32)
+            self.fills.fill(ms, self.mask, rows)
             if self.num_tokens % 32:  # xgrammar may leave bits past the vocabulary set (a state allowing "anything")
-                mask[:, -1] &= (1 << (self.num_tokens % 32)) - 1
+                self.mask[torch.tensor(rows), -1] &= (1 << (self.num_tokens % 32)) - 1
         return broken, errors
 
 
@@ -176,12 +183,12 @@ def serve(inp, out) -> None:
         except EOFError:
             return
         op = msg[0]
-        if op == "init":
-            worker = _Worker(msg[1])
-            continue
         if op == "stop":
             return
-        if op == "job":
+        if op == "init":  # answered once the shared file is mapped: the engine then unlinks it
+            worker = _Worker(msg[1])
+            reply = "ready"
+        elif op == "job":
             try:
                 reply = worker.job(*msg[1:])
             except Exception as e:  # noqa: BLE001 - reported to the engine, whose step raises it
@@ -216,37 +223,59 @@ def _pin(t: torch.Tensor) -> bool:
         return False
 
 
-def _close(proc: subprocess.Popen, flat: torch.Tensor | None, pinned: bool) -> None:
+def _close(procs: list[subprocess.Popen], flat: torch.Tensor | None, pinned: bool, path: list[str]) -> None:
     if pinned and flat is not None:
         try:
             torch.cuda.cudart().cudaHostUnregister(flat.data_ptr())
         except (RuntimeError, AttributeError):
             pass
-    if proc.poll() is None:
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                pickle.dump(("stop",), proc.stdin)
+                proc.stdin.close()
+            except (OSError, ValueError):
+                pass
+    for proc in procs:
         try:
-            pickle.dump(("stop",), proc.stdin)
-            proc.stdin.close()
             proc.wait(timeout=5)
-        except (OSError, subprocess.TimeoutExpired, ValueError):
+        except subprocess.TimeoutExpired:
             proc.kill()
-    for f in (proc.stdin, proc.stdout):
+        for f in (proc.stdin, proc.stdout):
+            try:
+                f.close()
+            except (OSError, ValueError):
+                pass
+    _unlink(path)
+
+
+def _unlink(path: list[str]) -> None:
+    """Remove the shared file, once (``path``: a one-item list, emptied)."""
+    while path:
         try:
-            f.close()
-        except (OSError, ValueError):
+            os.unlink(path.pop())
+        except FileNotFoundError:
             pass
 
 
 class GrammarProcess:
-    """The engine's end: starts the child, queues matcher adds / drops, submits jobs and collects their replies.
+    """The engine's end: starts the children, queues matcher adds / drops, submits jobs and collects their replies.
 
-    rows: the most rows a fill can have (the engine's max_num_seqs). The child starts importing at once; the first
-    collect waits for it (~2 s on a 2-core machine)."""
+    rows: the most rows a fill can have (the engine's max_num_seqs). workers: child processes; each owns the
+    matchers of the sequences whose seq_id % workers is its rank, so a step's accepts (serial inside xgrammar, ~6 us
+    a token) and fills split over them. Every job goes to every child; each does its own sequences' part. The
+    children start importing at once; the first collect waits for them (~2 s on a 2-core machine), and the shared
+    file is unlinked once every child has mapped it."""
 
-    def __init__(self, tokenizer_info_json: str, num_tokens: int, rows: int, threads: int, pin_memory: bool):
+    def __init__(self, tokenizer_info_json: str, num_tokens: int, rows: int, threads: int, pin_memory: bool,
+                 workers: int = 1):
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"the grammar process needs workers >= 1, got {workers!r}")
         self.rows, self.words = rows, (num_tokens + 31) // 32
         fd, path = tempfile.mkstemp(prefix="nanovllm-bitmask-", dir=_shm_dir())
         os.ftruncate(fd, rows * (1 + self.words) * 4)
         os.close(fd)
+        self._path = [path]
         flat, self.index, self.mask = _views(path, rows, self.words)
         self.pinned = pin_memory and _pin(flat)
         if pin_memory and not self.pinned:
@@ -254,38 +283,58 @@ class GrammarProcess:
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parents[2])  # the directory holding the nanovllm package
         env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        self.procs: list[subprocess.Popen] = []
+        self._finalizer = weakref.finalize(self, _close, self.procs, flat, self.pinned, self._path)
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "nanovllm.engine.grammar_worker"], env=env,
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            for _ in range(workers):
+                self.procs.append(subprocess.Popen([sys.executable, "-m", "nanovllm.engine.grammar_worker"], env=env,
+                                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE))
         except BaseException:
-            os.unlink(path)
+            self._finalizer()
             raise
-        self._finalizer = weakref.finalize(self, _close, self.proc, flat, self.pinned)
-        self._send(("init", {"tokenizer_info": tokenizer_info_json, "num_tokens": num_tokens, "rows": rows,
-                             "words": self.words, "path": path, "threads": threads}))
+        self._unready = list(self.procs)  # children whose "ready" (file mapped) has not been read
+        for rank, proc in enumerate(self.procs):
+            self._send(("init", {"tokenizer_info": tokenizer_info_json, "num_tokens": num_tokens, "rows": rows,
+                                 "words": self.words, "path": path, "threads": threads, "rank": rank,
+                                 "workers": workers}), [proc])
         self._adds: list[tuple[int, str, str]] = []
         self._drops: list[int] = []
         self.in_flight: tuple | None = None  # the job in flight's fill: (sids, logits rows, the step's rows)
 
-    def _send(self, msg) -> None:
+    def _send(self, msg, procs: list[subprocess.Popen] | None = None) -> None:
+        """`msg` to `procs` (default: every child), pickled once."""
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         try:
-            pickle.dump(msg, self.proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
-            self.proc.stdin.flush()
+            for proc in self.procs if procs is None else procs:
+                proc.stdin.write(data)
+                proc.stdin.flush()
         except (BrokenPipeError, OSError, ValueError) as e:
             raise self._died() from e
 
     def _died(self) -> GrammarProcessExited:
-        try:
-            code = self.proc.wait(timeout=1)
-        except subprocess.TimeoutExpired:
-            code = None
+        deadline = time.monotonic() + 1
+        codes = []
+        for proc in self.procs:
+            try:
+                codes.append(proc.wait(timeout=max(0.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                pass
         self.in_flight = None
+        code = next((c for c in codes if c), None)
         return GrammarProcessExited(f"the grammar process (structured outputs) exited"
                                     f"{f' with code {code}' if code is not None else ''}")
 
-    def _recv(self):
+    def _recv(self, proc: subprocess.Popen):
+        if self._unready:  # first the children's "ready"; then nobody needs the file's name
+            for p in self._unready:
+                self._read(p)
+            self._unready = []
+            _unlink(self._path)
+        return self._read(proc)
+
+    def _read(self, proc: subprocess.Popen):
         try:
-            reply = pickle.load(self.proc.stdout)
+            reply = pickle.load(proc.stdout)
         except (EOFError, OSError, ValueError, pickle.UnpicklingError) as e:
             raise self._died() from e
         if isinstance(reply, Exception):
@@ -306,7 +355,9 @@ class GrammarProcess:
             raise RuntimeError("a grammar job is already in flight: collect it first")
         if num_rows > self.rows:
             raise ValueError(f"a step of {num_rows} rows: more than the {self.rows} the bitmask holds")
-        self._send(("job", self._adds, self._drops, acc_sids, acc_tokens, fill, fill_rows, num_rows))
+        # (the last reader of the index, the step before's sampler, is done: see the module docstring)
+        self.index[:num_rows] = -1
+        self._send(("job", self._adds, self._drops, acc_sids, acc_tokens, fill, fill_rows))
         self._adds, self._drops = [], []
         self.in_flight = (fill, fill_rows, num_rows)
 
@@ -316,14 +367,20 @@ class GrammarProcess:
         if self.in_flight is None:
             raise RuntimeError("no grammar job in flight")
         self.in_flight = None
-        return self._recv()
+        broken, errors = [], {}
+        for proc in self.procs:
+            b, e = self._recv(proc)
+            broken += b
+            errors.update(e)
+        return broken, errors
 
     def stats(self) -> dict:
-        """The child's live matchers and cached grammars (after the queued adds / drops are sent)."""
+        """The children's live matchers and cached grammars, summed (after the queued adds / drops are sent)."""
         self.submit([], [], [], [], 0)
         self.collect()
         self._send(("stats",))
-        return self._recv()
+        replies = [self._recv(proc) for proc in self.procs]
+        return {k: sum(r[k] for r in replies) for k in ("matchers", "grammars")}
 
     def close(self) -> None:
         self._finalizer()
