@@ -21,6 +21,9 @@ the grammar process its job (advance) and of waiting for its masks (masks: the p
 engine's own work did not hide). A GPU step overlaps the forward pass with this host work: json's host step must
 stay below plain's GPU step.
 The engine flag --tokenizer DIR swaps in another tokenizer (a real one shows xgrammar's real mask cost).
+--phases (either way) also prints, per mode, the median host time per engine step of each part of the engine:
+schedule, build, launch, deferred sample, masks wait (the grammar processes), resolve, on_step_done, and on the GPU
+tokens wait (the engine waiting for the device: slack the host has left).
 """
 from __future__ import annotations
 
@@ -128,6 +131,61 @@ def _timed(f, sink: list[float]):
     return timed
 
 
+class Phases:
+    """--phases: the engine's host time in each of its parts, per engine step (the parts wrapped while a mode runs;
+    `report` gives each part's median over the steps of every round). "masks wait": reading the grammar processes'
+    replies (the part of their accept + fill that the engine's own work did not hide); "tokens wait": the engine
+    waiting for a step's sampled tokens (the device; absent with --host-only); the rest is host work. A step also pays
+    what is not listed (the loop, outputs)."""
+
+    def __init__(self):
+        self.steps: list[dict[str, float]] = []  # per engine step: seconds by part
+
+    def _parts(self, engine) -> list[tuple[object, str, str]]:
+        from nanovllm.engine import grammar_worker, llm_engine, model_runner
+        return [(engine.scheduler, "schedule", "schedule"), (llm_engine, "build_step_batch", "build"),
+                (engine.runner, "launch", "launch"), (engine, "_sample_inflight", "deferred sample"),
+                (grammar_worker.GrammarProcess, "collect", "masks wait"), (engine, "_resolve", "resolve"),
+                (engine.scheduler, "on_step_done", "on_step_done"), (model_runner.PendingStep, "result", "tokens wait")]
+
+    def run(self, engine, fn, *args):
+        """fn(*args) with the parts timed, step by step."""
+        saved = []
+        for obj, attr, label in self._parts(engine):
+            saved.append((obj, attr, obj.__dict__.get(attr)))
+            setattr(obj, attr, self._timed(getattr(obj, attr), label))
+        step = engine.step
+
+        def counted():
+            self.steps.append({})
+            return step()
+        engine.step = counted
+        try:
+            return fn(*args)
+        finally:
+            del engine.step
+            for obj, attr, original in saved:
+                if original is None:
+                    delattr(obj, attr)  # an instance's wrapper over its class's method
+                else:
+                    setattr(obj, attr, original)
+
+    def _timed(self, f, label: str):
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                if self.steps:
+                    cur = self.steps[-1]
+                    cur[label] = cur.get(label, 0.0) + time.perf_counter() - t
+        return timed
+
+    def report(self) -> str:
+        labels = dict.fromkeys(k for s in self.steps for k in s)
+        return ", ".join(f"{k} {statistics.median(s.get(k, 0.0) for s in self.steps) * 1e3:.3f}" for k in labels)
+
+
 def host_step_times(engine: HostOnlyEngine, prompts, params, timers: dict) -> list[float]:
     """Host time of each pure decode step (the stand-in's left out); `timers` collects the grammar process's
     advance (send a job) and masks (wait for its reply) times."""
@@ -177,6 +235,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--modes", default="plain,json,penalties,bias,n")
     ap.add_argument("--rounds", type=int, default=3, help="the modes run in turn this many times")
     ap.add_argument("--host-only", action="store_true", help="no model: the engine's host time per step")
+    ap.add_argument("--phases", action="store_true", help="also the engine's host time per step in each of its parts")
     add_engine_args(ap)
     args = ap.parse_args(argv)
     if args.rounds < 1:
@@ -209,12 +268,15 @@ def main(argv=None) -> dict:
     times: dict[str, list[float]] = {name: [] for name in names}
     rounds: dict[str, list[float]] = {name: [] for name in names}
     timers: dict[str, dict[str, list[float]]] = {name: {} for name in names}
+    phases = {name: Phases() for name in names}
     for _ in range(args.rounds):
         for name in names:
             if args.host_only:
-                t = host_step_times(engine, *modes[name], timers[name])
+                fn, fn_args = host_step_times, (engine, *modes[name], timers[name])
             else:
-                t = decode_step_times(llm, *modes[name])
+                fn, fn_args = decode_step_times, (llm, *modes[name])
+            t = phases[name].run(engine if args.host_only else llm.engine, fn, *fn_args) if args.phases \
+                else fn(*fn_args)
             times[name] += t
             rounds[name].append(statistics.median(t) * 1e3)
     for name in names:
@@ -228,6 +290,8 @@ def main(argv=None) -> dict:
                         f"{' / '.join(f'{x:.2f}' for x in paired)}, median {statistics.median(paired):.3f}x)")
         print(f"{name:10s} {what} median {res[name]:.3f} ms over {len(times[name])} steps (rounds: {per_round})"
               + parts + vs_plain)
+        if args.phases:
+            print(f"{'':10s} phases, median ms per engine step: {phases[name].report()}")
     (engine if args.host_only else llm).shutdown()
     shutil.rmtree(path, ignore_errors=True)
     return res

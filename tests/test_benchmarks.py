@@ -173,15 +173,23 @@ def test_prefill_heavy_workload_and_mode(tiny_ckpt, capsys):
     assert "prompt," in capsys.readouterr().out
 
 
-def test_host_only_bench_runs_the_engine_on_its_masks():
+def test_host_only_bench_runs_the_engine_on_its_masks(capsys):
     """bench_sampling_features.py --host-only: the engine (async scheduling) with a stand-in runner that draws each
-    constrained row's token from the mask it was handed; it raises if any request broke its grammar."""
+    constrained row's token from the mask it was handed; it raises if any request broke its grammar. --phases adds
+    the engine's parts per step, the grammar processes' wait among them, and puts every method back afterwards."""
     pytest.importorskip("xgrammar")
     import bench_sampling_features
+
+    from nanovllm.engine import grammar_worker, llm_engine
+    before = (llm_engine.build_step_batch, grammar_worker.GrammarProcess.collect)
     model = os.path.join(ROOT, "benchmarks", "models", "qwen3-0.6b")
     res = bench_sampling_features.main(["--model", model, "--host-only", "--rows", "16", "--tokens", "12",
-                                        "--modes", "plain,json", "--rounds", "2"])
+                                        "--modes", "plain,json", "--rounds", "2", "--phases"])
     assert set(res) == {"plain", "json"} and all(v > 0 for v in res.values())
+    plain, json_ = [line for line in capsys.readouterr().out.splitlines() if "phases" in line]
+    assert "schedule" in plain and "build" in plain and "masks wait" not in plain
+    assert "masks wait" in json_ and "deferred sample" in json_
+    assert (llm_engine.build_step_batch, grammar_worker.GrammarProcess.collect) == before
 
 
 def test_sampling_bench_rejects_zero_rounds(capsys):
