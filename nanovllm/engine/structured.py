@@ -90,11 +90,11 @@ def grammar_workers(cpus: int) -> tuple[int, int]:
 
 
 class StructuredOutputs:
-    """The engine's structured outputs: specs checked (cached), matchers in the grammar process, bitmasks for a step's
-    rows. Sequences are named by their seq_id; `rows`: the most rows a step samples (max_num_seqs).
+    """The engine's structured outputs: specs checked (cached), matchers in the grammar processes, bitmasks for a
+    step's rows. Sequences are named by their seq_id; `rows`: the most rows a step samples (max_num_seqs).
 
-    If the grammar process dies (killed, out of memory), its sequences are reported broken (the engine finishes
-    them) and a new one starts: the other requests, and the structured requests after it, go on."""
+    If a grammar process dies (killed, out of memory), every constrained sequence is reported broken (the engine
+    finishes them) and new processes start: the other requests, and the structured requests after it, go on."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids, rows: int, pin_memory: bool = False):
         xgr = _import_xgrammar()
