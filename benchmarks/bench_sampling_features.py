@@ -28,6 +28,7 @@ tokens wait (the engine waiting for the device: slack the host has left).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -122,12 +123,14 @@ class HostOnlyEngine(LLMEngine):
         return NoiseExecutor(self.config.args.num_kvcache_blocks)
 
 
-def _timed(f, sink: list[float]):
-    def timed(*args):
+def _timed(f, record):
+    """f, calling record(seconds) after each call."""
+    def timed(*args, **kwargs):
         t = time.perf_counter()
-        out = f(*args)
-        sink.append(time.perf_counter() - t)
-        return out
+        try:
+            return f(*args, **kwargs)
+        finally:
+            record(time.perf_counter() - t)
     return timed
 
 
@@ -153,7 +156,7 @@ class Phases:
         saved = []
         for obj, attr, label in self._parts(engine):
             saved.append((obj, attr, obj.__dict__.get(attr)))
-            setattr(obj, attr, self._timed(getattr(obj, attr), label))
+            setattr(obj, attr, _timed(getattr(obj, attr), functools.partial(self._add, label)))
         step = engine.step
 
         def counted():
@@ -170,16 +173,10 @@ class Phases:
                 else:
                     setattr(obj, attr, original)
 
-    def _timed(self, f, label: str):
-        def timed(*a, **k):
-            t = time.perf_counter()
-            try:
-                return f(*a, **k)
-            finally:
-                if self.steps:
-                    cur = self.steps[-1]
-                    cur[label] = cur.get(label, 0.0) + time.perf_counter() - t
-        return timed
+    def _add(self, label: str, seconds: float) -> None:
+        if self.steps:
+            cur = self.steps[-1]
+            cur[label] = cur.get(label, 0.0) + seconds
 
     def report(self) -> str:
         labels = dict.fromkeys(k for s in self.steps for k in s)
@@ -195,7 +192,7 @@ def host_step_times(engine: HostOnlyEngine, prompts, params, timers: dict) -> li
     so = engine._structured  # built by the first structured request
     if so is not None:
         for name in ("advance", "masks"):  # sending a step's job; waiting for (and reading) the masks
-            setattr(so, name, _timed(getattr(type(so), name).__get__(so), timers.setdefault(name, [])))
+            setattr(so, name, _timed(getattr(type(so), name).__get__(so), timers.setdefault(name, []).append))
     times, broke = [], 0
     while engine.has_unfinished_requests():
         own, t = engine.runner.own, time.perf_counter()

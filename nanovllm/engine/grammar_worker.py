@@ -167,10 +167,11 @@ class _Worker:
                 logits_rows.append(row)
                 ms.append(m)
         if ms:
-            self.index[torch.tensor(logits_rows)] = torch.tensor(rows, dtype=torch.int32)
+            filled = torch.tensor(rows, dtype=torch.int32)
+            self.index[torch.tensor(logits_rows)] = filled
             self.fills.fill(ms, self.mask, rows)
             if self.num_tokens % 32:  # xgrammar may leave bits past the vocabulary set (a state allowing "anything")
-                self.mask[torch.tensor(rows), -1] &= (1 << (self.num_tokens % 32)) - 1
+                self.mask[filled.long(), -1] &= (1 << (self.num_tokens % 32)) - 1
         return broken, errors
 
 
