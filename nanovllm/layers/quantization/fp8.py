@@ -57,7 +57,10 @@ class Fp8LinearMethod:
         if not (layer.fp8_scaled_mm and x.dtype == torch.bfloat16):
             return kernels.w8a8_gemm(xq, xs, w, ws, x.dtype, bias=bias, out=out)
         kw = {} if out is None else {"out": out}
-        y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws.view(1, -1), out_dtype=x.dtype, **kw)
+        # fast accumulation: the tensor cores' own accumulator within each K step, as vLLM's FP8 GEMMs run (1.03x
+        # a Qwen3-8B layer at 256 rows, 1.09x at 1,024; the relative error 2-3e-3 against 1.7e-3: RESULTS.md)
+        y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws.view(1, -1), out_dtype=x.dtype, use_fast_accum=True,
+                             **kw)
         return y if bias is None else y.add_(bias)
 
 
