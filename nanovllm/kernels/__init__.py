@@ -12,6 +12,8 @@ Public kernels (each mirrors a torch reference elsewhere in the package):
   workspace=None)``                                                       -> (B, H, D)
 * ``rms_norm(x, weight, eps)``, ``add_rms_norm(x, residual, weight, eps)`` -> normed / (normed, x + residual)
 * ``silu_and_mul(x)``                                                     -> (..., I)
+* ``rms_norm_fp8(x, weight, eps)``, ``add_rms_norm_fp8(x, residual, weight, eps)``, ``silu_and_mul_fp8(x)``: the
+  same, their rows quantized per token for an FP8 GEMM -> (e4m3 q, (M, 1) float32 scales) (with the sum)
 * ``apply_rotary(q, k, positions, cos_sin_cache)``                        -> (q_rot, k_rot) (in place by default)
 * ``sample(logits, temperatures, seeds, steps, out=None)``                -> (B,) int64 (Gumbel-max, no filters)
 * ``sample_partial(logits, temperatures, seeds, steps, vocab_start=0)``  -> ((B,) float32 best scores, (B,) int64
@@ -42,7 +44,8 @@ import importlib.util
 __all__ = [
     "triton_available",
     "store_kvcache", "paged_prefill_attention", "paged_decode_attention", "decode_workspace_numel",
-    "rms_norm", "add_rms_norm", "silu_and_mul", "apply_rotary", "sample", "sample_partial",
+    "rms_norm", "add_rms_norm", "silu_and_mul", "rms_norm_fp8", "add_rms_norm_fp8", "silu_and_mul_fp8",
+    "apply_rotary", "sample", "sample_partial",
     "qkv_norm_rope_store", "fused_moe", "fused_moe_compile", "per_token_quant_fp8", "per_token_group_quant_fp8",
     "w8a8_gemm",
 ]
@@ -56,6 +59,9 @@ _LAZY = {
     "rms_norm": "norm",
     "add_rms_norm": "norm",
     "silu_and_mul": "activation",
+    "rms_norm_fp8": "norm",
+    "add_rms_norm_fp8": "norm",
+    "silu_and_mul_fp8": "activation",
     "apply_rotary": "rotary",
     "sample": "sampling",
     "sample_partial": "sampling",

@@ -6,6 +6,10 @@ its dtype, the normalization runs in float32, the normalized value is rounded to
 the weight and rounded to the output dtype (``promote_types(weight, x)``); a token's expert rows are summed in
 float32 in row order and rounded to x's dtype before the add, as ``combine_ref``. So half-precision results match
 the reference to the last bit up to the float32 reduction order.
+
+``rms_norm_fp8`` / ``add_rms_norm_fp8`` quantize the normalized rows per token for an FP8 linear layer (e4m3 and
+one float32 scale per row, ``nanovllm.kernels.fp8_quant``'s scheme) instead of writing them in the model dtype:
+bit for bit what ``per_token_quant_fp8`` gives on the unfused output, without its launch and its re-read.
 """
 from __future__ import annotations
 
@@ -14,13 +18,16 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels._common import check_float, check_last_contiguous, check_same_device, next_pow2
+from nanovllm.kernels.fp8_quant import fp8_quantize, fp8_scale
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 @triton.jit
 def _rms_norm_kernel(
-    X, R, W, Y, S, N, eps,
+    X, R, W, Y, S, YS, N, eps,
     stride_x, stride_r, stride_y, stride_s,
-    HAS_RES: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RES: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr, Y_DTYPE: tl.constexpr, FP8_OUT: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -38,7 +45,14 @@ def _rms_norm_kernel(
         tl.store(S + row * stride_s + offs, x, mask=mask)
     h = _rms_row(x, N, eps)
     w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + row * stride_y + offs, (w * h).to(Y.dtype.element_ty), mask=mask)
+    y = (w * h).to(Y_DTYPE)
+    if FP8_OUT:  # Y e4m3, YS one scale per row: quantized from the rounded value (masked lanes are 0)
+        yf = y.to(tl.float32)
+        ys = fp8_scale(tl.max(tl.abs(yf), axis=0))
+        tl.store(Y + row * stride_y + offs, fp8_quantize(yf, ys), mask=mask)
+        tl.store(YS + row, ys)
+    else:
+        tl.store(Y + row * stride_y + offs, y, mask=mask)
 
 
 @triton.jit
@@ -68,7 +82,13 @@ def _num_warps(block: int) -> int:
     return 4 if block <= 2048 else (8 if block <= 8192 else 16)
 
 
-def _launch(x, residual, weight, eps, out, residual_out, rows_per_token=1):
+def _fp8_num_warps(block: int) -> int:
+    """The quantizing norm's warps: one per 256 columns, 4 to 16 (its e4m3 rounding and IEEE divisions are
+    compute; at 4,096 columns 16 warps take 4.0 us for 256 rows on an H200 against 5.2 with 4: RESULTS.md)."""
+    return min(16, max(4, block // 256))
+
+
+def _launch(x, residual, weight, eps, out, residual_out, rows_per_token=1, fp8_out=False):
     check_float("rms_norm: x", x)
     check_float("rms_norm: weight", weight)
     N = x.shape[-1]
@@ -103,18 +123,24 @@ def _launch(x, residual, weight, eps, out, residual_out, rows_per_token=1):
         r2 = s2 = x2
         sum_dtype = x.dtype
     y_dtype = torch.promote_types(weight.dtype, sum_dtype)
-    if out is None:
-        out = torch.empty(x.shape, dtype=y_dtype, device=x.device)
-    elif out.shape != x.shape or out.dtype != y_dtype:
-        raise ValueError(f"rms_norm: out must be {tuple(x.shape)} {y_dtype}, got {tuple(out.shape)} {out.dtype}")
-    y2 = _as_rows("rms_norm: out", out, N, output=True)
+    if fp8_out:  # (M, N) e4m3 rows and their (M, 1) scales
+        out = (torch.empty((M, N), dtype=torch.float8_e4m3fn, device=x.device),
+               torch.empty((M, 1), dtype=torch.float32, device=x.device))
+        y2, ys = out
+    else:
+        if out is None:
+            out = torch.empty(x.shape, dtype=y_dtype, device=x.device)
+        elif out.shape != x.shape or out.dtype != y_dtype:
+            raise ValueError(f"rms_norm: out must be {tuple(x.shape)} {y_dtype}, got {tuple(out.shape)} {out.dtype}")
+        y2 = ys = _as_rows("rms_norm: out", out, N, output=True)
     if M == 0:
         return out, residual_out
     BLOCK = next_pow2(N)
     _rms_norm_kernel[(M,)](
-        x2, r2, weight, y2, s2, N, float(eps),
+        x2, r2, weight, y2, s2, ys, N, float(eps),
         x2.stride(0), r2.stride(0), y2.stride(0), s2.stride(0),
-        HAS_RES=residual is not None, GROUP=rows_per_token, BLOCK=BLOCK, num_warps=_num_warps(BLOCK),
+        HAS_RES=residual is not None, GROUP=rows_per_token, BLOCK=BLOCK, Y_DTYPE=_TL_DTYPES[y_dtype],
+        FP8_OUT=fp8_out, num_warps=_fp8_num_warps(BLOCK) if fp8_out else _num_warps(BLOCK),
     )
     return out, residual_out
 
@@ -134,3 +160,24 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     x is (T * k, N) with contiguous rows, each token's k rows summed first (``add_rms_norm_ref``).
     """
     return _launch(x, residual, weight, eps, out, residual_out, rows_per_token)
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rms_norm`` quantized per row for an FP8 GEMM: x (M, N) -> (q (M, N) e4m3, s (M, 1) float32), bit for bit
+    ``per_token_quant_fp8(rms_norm(x, weight, eps))``."""
+    _check_rows_2d("rms_norm_fp8", x)
+    return _launch(x, None, weight, eps, None, None, fp8_out=True)[0]
+
+
+def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                     residual_out: torch.Tensor | None = None, *,
+                     rows_per_token: int = 1) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``add_rms_norm`` with its normalized rows quantized per row for an FP8 GEMM: ((q (T, N) e4m3, s (T, 1)
+    float32), x + residual), bit for bit ``per_token_quant_fp8`` of ``add_rms_norm``'s first output."""
+    _check_rows_2d("add_rms_norm_fp8", x)
+    return _launch(x, residual, weight, eps, None, residual_out, rows_per_token, fp8_out=True)
+
+
+def _check_rows_2d(fn: str, x: torch.Tensor) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"{fn}: x must be 2-D (tokens, hidden), got shape {tuple(x.shape)}")

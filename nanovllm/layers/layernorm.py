@@ -1,4 +1,5 @@
-"""RMSNorm, optionally fused with the residual add that precedes it (as in every Llama-style block)."""
+"""RMSNorm, optionally fused with the residual add that precedes it (as in every Llama-style block), and
+optionally quantizing its output per token for the online FP8 linear layer it feeds (`Fp8Rows`)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -7,6 +8,7 @@ import torch
 from torch import nn
 
 from nanovllm.layers.moe_ref import combine_ref
+from nanovllm.layers.quantization.fp8_rows import Fp8Rows
 
 if TYPE_CHECKING:
     from nanovllm.layers.ops import Ops
@@ -31,17 +33,26 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6, ops: Ops | None = None):
-        """ops: the kernels to run (None: the torch references)."""
+    def __init__(self, hidden_size: int, eps: float = 1e-6, ops: Ops | None = None, fp8_out: bool = False):
+        """ops: the kernels to run (None: the torch references). fp8_out: the normalized rows come out as
+        `Fp8Rows` (for a linear layer whose method takes them) where ops has the quantizing norms."""
         super().__init__()
         from nanovllm.layers.ops import TORCH_OPS
         self.eps = eps
         self.ops = ops or TORCH_OPS
+        self.fp8_out = fp8_out and self.ops.rms_norm_fp8 is not None
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, rows_per_token: int = 1):
         """rms_norm(x); with a residual, (rms_norm(x + residual), x + residual); rows_per_token k > 1: x holds k
-        rows per token (a mixture of experts' uncombined output), summed before the add."""
+        rows per token (a mixture of experts' uncombined output), summed before the add. With fp8_out the
+        normalized rows are `Fp8Rows`."""
+        w, eps = self.weight, self.eps
+        if self.fp8_out:  # (rows in the dtype the plain norm would write: the weight's and the sum's)
+            if residual is None:
+                return Fp8Rows(*self.ops.rms_norm_fp8(x, w, eps), torch.promote_types(w.dtype, x.dtype))
+            (q, s), summed = self.ops.add_rms_norm_fp8(x, residual, w, eps, rows_per_token=rows_per_token)
+            return Fp8Rows(q, s, torch.promote_types(w.dtype, summed.dtype)), summed
         if residual is None:
-            return self.ops.rms_norm(x, self.weight, self.eps)
-        return self.ops.add_rms_norm(x, residual, self.weight, self.eps, rows_per_token=rows_per_token)
+            return self.ops.rms_norm(x, w, eps)
+        return self.ops.add_rms_norm(x, residual, w, eps, rows_per_token=rows_per_token)

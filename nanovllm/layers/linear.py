@@ -28,6 +28,9 @@ def _divide(n: int, d: int, what: str) -> int:
 class LinearMethod(Protocol):
     """How a linear layer stores its weight and computes ``x @ W.T (+ bias)``."""
 
+    # whether apply also takes x as `Fp8Rows` (quantized per token by the norm or activation that produced it)
+    takes_fp8_rows: bool
+
     def create_weights(self, layer: LinearBase, in_features: int, out_features: int) -> None:
         """Register the layer's parameters (at least ``weight``, with the layer's ``weight_loader``)."""
 
@@ -63,6 +66,8 @@ class GemmPlan:
 
 class UnquantizedLinearMethod:
     """Weights in the model's dtype; torch's GEMM, or the plan's choice for a planned row count."""
+
+    takes_fp8_rows = False
 
     def __init__(self, plan: GemmPlan | None = None):
         self.plan = plan if plan is not None else GemmPlan()

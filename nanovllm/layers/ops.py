@@ -31,6 +31,11 @@ class Ops:
     fused_moe: Callable = fused_moe_ref
     # (w13, w2, top_k, renormalize) -> compiles every kernel variant fused_moe may pick for those weights; None: none
     fused_moe_compile: Callable | None = None
+    # the same norms and SiLU-and-mul quantizing their rows per token for an online FP8 linear layer: -> (e4m3 q,
+    # (T, 1) float32 scales) (add_rms_norm_fp8: with the sum); None: the layer quantizes its input itself
+    rms_norm_fp8: Callable | None = None
+    add_rms_norm_fp8: Callable | None = None
+    silu_and_mul_fp8: Callable | None = None
 
     @property
     def fused(self) -> bool:
@@ -47,7 +52,8 @@ def triton_ops() -> Ops:
     return Ops("triton", kernels.rms_norm, kernels.add_rms_norm, kernels.apply_rotary, kernels.silu_and_mul,
                qkv_norm_rope_store=kernels.qkv_norm_rope_store, sample=kernels.sample,
                sample_partial=kernels.sample_partial, fused_moe=kernels.fused_moe,
-               fused_moe_compile=kernels.fused_moe_compile)
+               fused_moe_compile=kernels.fused_moe_compile, rms_norm_fp8=kernels.rms_norm_fp8,
+               add_rms_norm_fp8=kernels.add_rms_norm_fp8, silu_and_mul_fp8=kernels.silu_and_mul_fp8)
 
 
 def select_ops(attention_backend: str) -> Ops:

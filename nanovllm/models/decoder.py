@@ -26,6 +26,7 @@ from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.moe import FusedMoE, Router
 from nanovllm.layers.moe_ref import ExpertRows
+from nanovllm.layers.quantization.fp8_rows import Fp8Rows
 from nanovllm.layers.rotary import RotaryEmbedding
 from nanovllm.models.loader import packed_target
 
@@ -104,9 +105,17 @@ class DecoderMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, ctx.tp,
                                            ctx.linear(f"{prefix}.down_proj"))
         self.act = ctx.ops.silu_and_mul
+        if self.down_proj.method.takes_fp8_rows and ctx.ops.silu_and_mul_fp8 is not None:
+            self.act = _fp8_rows_of(ctx.ops.silu_and_mul_fp8)  # quantized for the FP8 down projection
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)), reduce)
+
+
+def _fp8_rows_of(silu_and_mul_fp8):
+    def act(x: torch.Tensor) -> Fp8Rows:
+        return Fp8Rows(*silu_and_mul_fp8(x), x.dtype)
+    return act
 
 
 class SparseMoeBlock(nn.Module):
@@ -155,8 +164,12 @@ class DecoderLayer(nn.Module):
         self.tp = ctx.tp
         self.self_attn = DecoderAttention(cfg, variant, ctx, f"model.layers.{layer_idx}.self_attn")
         self.mlp = make_mlp(cfg, layer_idx, ctx)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.ops)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.ops)
+        # each norm quantizes its rows itself where it feeds an online FP8 projection (one launch less)
+        mlp_in = self.mlp.gate_up_proj if isinstance(self.mlp, DecoderMLP) else None
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.ops,
+                                       fp8_out=self.self_attn.qkv_proj.method.takes_fp8_rows)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.ops,
+                                                fp8_out=mlp_in is not None and mlp_in.method.takes_fp8_rows)
 
     def forward(self, positions, hidden, residual, meta, out_rows: OutputRows | None = None):
         """hidden: the embeddings (residual None, first layer) or the previous layer's output as this rank's

@@ -1,4 +1,5 @@
 """FP8 kernels against their torch references: the activation quantizers and the e4m3 rounding (bit for bit), the
+norms and SiLU-and-mul that quantize their output (bit for bit the unfused kernels followed by the quantizer), the
 W8A8 GEMM (row-wise and block-wise scales), the e4m3 KV-cache writers (store kernel and fused q/k-norm + RoPE +
 store: bit for bit) and the attention kernels reading an e4m3 cache (the varlen kernel's variants included: pointer
 and TMA loads, packed or one head per program, the launch orders, the persistent grid)."""
@@ -8,14 +9,18 @@ import pytest
 import torch
 
 from nanovllm.attention.torch_ref import paged_attention_ref, quantize_kv_ref, store_kvcache_ref
+from nanovllm.kernels.activation import silu_and_mul, silu_and_mul_fp8
 from nanovllm.kernels.decode_attention import paged_decode_attention
 from nanovllm.kernels.fp8_gemm import Fp8GemmConfig, w8a8_gemm
 from nanovllm.kernels.fp8_quant import per_token_group_quant_fp8, per_token_quant_fp8
 from nanovllm.kernels.fused_qkv import qkv_norm_rope_store
 from nanovllm.kernels.kvcache import store_kvcache
+from nanovllm.kernels.norm import add_rms_norm, add_rms_norm_fp8, rms_norm, rms_norm_fp8
 from nanovllm.kernels.prefill_attention import paged_prefill_attention
 from nanovllm.kernels.prefill_config import TileConfig
+from nanovllm.layers.activation import silu_and_mul_ref
 from nanovllm.layers.fused_qkv_ref import qkv_norm_rope_store_ref
+from nanovllm.layers.layernorm import add_rms_norm_ref, rms_norm_ref
 from nanovllm.layers.quantization import fp8_ref
 from nanovllm.layers.rotary import RotaryEmbedding
 from tests.kernels.test_triton_attention import DECODE, MIXED, TOL, VARIANT_SPECS, VARIANTS, check_variant, make_batch
@@ -68,6 +73,56 @@ def test_per_token_group_quant(device, dtype, M, K, group):
     assert _bits_equal(q, q_ref) and torch.equal(s, s_ref)
     with pytest.raises(ValueError, match="group size"):
         per_token_group_quant_fp8(x, 48)
+
+
+def _check_quantized(qs, unfused: torch.Tensor, ref: torch.Tensor, exact: bool) -> None:
+    """A quantizing kernel's (q, s) against the quantizer on the unfused kernel's output: bit for bit. Against the
+    quantized torch reference: bit for bit where the unfused kernel equals the reference (exact), else within
+    e4m3's rounding (the norms' float32 sums run in another order; the interpreter truncates float32 -> bf16)."""
+    q, s = qs
+    assert q.dtype == FP8 and s.shape == (q.shape[0], 1) and s.dtype == torch.float32
+    q_un, s_un = per_token_quant_fp8(unfused)
+    assert _bits_equal(q, q_un) and torch.equal(s, s_un)
+    q_ref, s_ref = fp8_ref.quantize_rows(ref)
+    if exact:
+        assert _bits_equal(q, q_ref) and torch.equal(s, s_ref)
+    ref = ref.float()
+    err = (q.float() * s - ref).abs() / ref.abs().amax(-1, keepdim=True).clamp(min=1e-30)
+    assert err.max() <= 2 ** -4 * 1.05, err.max()  # half an e4m3 ulp of the row's largest value, and the scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,N,k", [(6, 96, 1), (3, 1000, 1), (4, 128, 3)])  # k: expert rows summed per token
+def test_norms_quantizing_their_rows(device, dtype, T, N, k):
+    g = torch.Generator().manual_seed(T * N + k)
+    x = (torch.randn(T * k, N, generator=g) * 4).to(dtype).to(device)
+    r = torch.randn(T, N, generator=g).to(dtype).to(device)
+    w = torch.randn(N, generator=g).to(dtype).to(device)
+    x[0] = 0.0
+    if k == 1:
+        _check_quantized(rms_norm_fp8(x, w, 1e-6), rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), exact=False)
+    qs, summed = add_rms_norm_fp8(x, r, w, 1e-6, rows_per_token=k)
+    normed, summed_un = add_rms_norm(x, r, w, 1e-6, rows_per_token=k)
+    _check_quantized(qs, normed, add_rms_norm_ref(x, r, w, 1e-6, rows_per_token=k)[0], exact=False)
+    assert torch.equal(summed, summed_un)
+    r2 = r.clone()  # the sum in place of the residual, as the decoder layers update it
+    assert add_rms_norm_fp8(x, r2, w, 1e-6, residual_out=r2, rows_per_token=k)[1] is r2 and torch.equal(r2, summed)
+    with pytest.raises(ValueError, match="2-D"):
+        rms_norm_fp8(x.view(1, *x.shape), w, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,inter", [(5, 72), (3, 1500), (2, 5000)])  # one tile / not a power of two / two passes
+def test_silu_and_mul_quantizing_its_rows(device, dtype, M, inter):
+    g = torch.Generator().manual_seed(M + inter)
+    x = (torch.randn(M, 2 * inter, generator=g) * 3).to(dtype).to(device)
+    x[1, :inter] = 0.0  # a zero row: the minimum scale
+    exact = dtype == torch.float32 or device == "cuda"  # (elementwise: the reference's roundings, but for bf16 casts)
+    _check_quantized(silu_and_mul_fp8(x), silu_and_mul(x), silu_and_mul_ref(x), exact)
+    with pytest.raises(ValueError, match="even"):
+        silu_and_mul_fp8(x[:, :-1].contiguous())
+    with pytest.raises(ValueError, match="2-D"):
+        silu_and_mul_fp8(x.view(1, *x.shape))
 
 
 GEMM_TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}

@@ -14,6 +14,7 @@ from nanovllm.layers.linear import LinearBase
 from nanovllm.layers.moe import UnquantizedMoEMethod
 from nanovllm.layers.quantization import fp8_ref
 from nanovllm.layers.quantization.fp8_ref import FP8_DTYPE
+from nanovllm.layers.quantization.fp8_rows import Fp8Rows
 
 
 def _into(y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -32,10 +33,12 @@ def _scaled_mm_fits(w: torch.Tensor) -> bool:
 
 class Fp8LinearMethod:
     """Online FP8: the checkpoint's weight loads in the model dtype and is quantized once it is in place (random
-    weights too): e4m3 with one float32 scale per output channel. Each product quantizes its input per token."""
+    weights too): e4m3 with one float32 scale per output channel. Each product quantizes its input per token,
+    unless the kernel before it did (`Fp8Rows`, with the Triton kernels: the norms and SiLU-and-mul)."""
 
     def __init__(self, use_kernels: bool):
         self.use_kernels = use_kernels
+        self.takes_fp8_rows = use_kernels
 
     def create_weights(self, layer, in_features, out_features):
         layer.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)  # model dtype
@@ -50,10 +53,10 @@ class Fp8LinearMethod:
     def apply(self, layer, x, bias, out=None):
         w, ws = layer.weight, layer.weight_scale
         if not self.use_kernels:
-            xq, xs = fp8_ref.quantize_rows(x)
+            xq, xs = (x.q, x.scale) if isinstance(x, Fp8Rows) else fp8_ref.quantize_rows(x)
             return _into(fp8_ref.fp8_linear_rowwise_ref(xq, xs, w, ws, x.dtype, bias), out)
         from nanovllm import kernels
-        xq, xs = kernels.per_token_quant_fp8(x)
+        xq, xs = (x.q, x.scale) if isinstance(x, Fp8Rows) else kernels.per_token_quant_fp8(x)
         if not (layer.fp8_scaled_mm and x.dtype == torch.bfloat16):
             return kernels.w8a8_gemm(xq, xs, w, ws, x.dtype, bias=bias, out=out)
         kw = {} if out is None else {"out": out}
@@ -69,6 +72,8 @@ class Fp8BlockLinearMethod:
     float32, the dequantization multiplier of each bn x bk tile (the Hub's name, despite the "inv"). Both load
     through the layer's sharding: a fused or tensor-parallel layer's scales shard with its rows / columns, which
     must then fall on whole tiles."""
+
+    takes_fp8_rows = False  # (its activations are quantized per 128 columns, not per token)
 
     def __init__(self, block: tuple[int, int], use_kernels: bool):
         self.block = tuple(block)
