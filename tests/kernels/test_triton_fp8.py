@@ -125,7 +125,11 @@ def test_silu_and_mul_quantizing_its_rows(device, dtype, M, inter):
         silu_and_mul_fp8(x.view(1, *x.shape))
 
 
-GEMM_TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+# On Hopper the tensor cores add e4m3 products into an accumulator narrower than float32 (Triton's default for FP8
+# dots there, as cuBLAS's fast accumulation): float32 outputs of these |y| ~ 20-60 products are off by up to ~6e-3
+# on the GPU (measured), exact to float32 rounding under the interpreter.
+GEMM_TOL = {torch.float32: dict(atol=1e-2, rtol=1e-3) if torch.cuda.is_available() else dict(atol=1e-4, rtol=1e-4),
+            torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
