@@ -191,29 +191,31 @@ def test_fp8_kv_and_weights_under_triton_interpreter(tiny_ckpt):
     llm.shutdown()
 
 
-def test_online_fp8_under_triton_interpreter_norms_quantize_rows(tiny_ckpt):
-    """Online FP8 with the Triton kernels (CPU interpreter): the norms before q/k/v and gate/up and the SiLU-and-mul
-    before down hand their rows over quantized (`Fp8Rows`: no quantizer launch in those projections; o_proj, after
-    the attention, quantizes its own), and the tokens are the torch backend's, with chunked prefill and prefix
-    hits."""
+@pytest.mark.parametrize("scheme", ["online", "block"])
+def test_fp8_under_triton_interpreter_norms_quantize_rows(scheme, tiny_ckpt, block_ckpt):
+    """FP8 with the Triton kernels (CPU interpreter), online and from a block-FP8 checkpoint: the norms before
+    q/k/v and gate/up and the SiLU-and-mul before down hand their rows over quantized as the projection quantizes
+    (`Fp8Rows`, per token or per token and 128 columns: no quantizer launch in those projections; o_proj, after the
+    attention, quantizes its own), and the tokens are the torch backend's, with chunked prefill and prefix hits."""
     from nanovllm.layers.quantization.fp8_rows import Fp8Rows
-    path = tiny_ckpt("qwen3")
+    path, kw, group = (tiny_ckpt("qwen3"), dict(quantization="fp8"), None) if scheme == "online" else \
+        (block_ckpt[1], {}, 128)
     prompts = make_prompts([1, 20, 40], seed=2)
     params = SamplingParams(temperature=0.0, max_tokens=4)
-    ref = _tokens(path, prompts, params, quantization="fp8")
-    llm = LLM(path, **CPU, quantization="fp8", attention_backend="triton", max_num_batched_tokens=32,
-              kvcache_block_size=16)
+    ref = _tokens(path, prompts, params, **kw)
+    llm = LLM(path, **CPU, **kw, attention_backend="triton", max_num_batched_tokens=32, kvcache_block_size=16)
     seen: dict[str, set] = {}
 
     def record(kind):
-        return lambda module, args: seen.setdefault(kind, set()).add(isinstance(args[0], Fp8Rows))
+        return lambda module, args: seen.setdefault(kind, set()).add(
+            args[0].group if isinstance(args[0], Fp8Rows) else "plain")
     for name, mod in llm.engine.runner.model.named_modules():
         if name.endswith("_proj"):
             mod.register_forward_pre_hook(record(name.rsplit(".", 1)[1]))
     assert [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)] == ref
     assert [o["token_ids"] for o in llm.generate(prompts[2:], params, use_tqdm=False)] == ref[2:]
     llm.shutdown()
-    assert seen == {"qkv_proj": {True}, "o_proj": {False}, "gate_up_proj": {True}, "down_proj": {True}}, seen
+    assert seen == {"qkv_proj": {group}, "o_proj": {"plain"}, "gate_up_proj": {group}, "down_proj": {group}}, seen
 
 
 # --- FP8 experts (mixture of experts) -----------------------------------------------------------------------------

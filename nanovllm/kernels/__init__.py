@@ -12,8 +12,9 @@ Public kernels (each mirrors a torch reference elsewhere in the package):
   workspace=None)``                                                       -> (B, H, D)
 * ``rms_norm(x, weight, eps)``, ``add_rms_norm(x, residual, weight, eps)`` -> normed / (normed, x + residual)
 * ``silu_and_mul(x)``                                                     -> (..., I)
-* ``rms_norm_fp8(x, weight, eps)``, ``add_rms_norm_fp8(x, residual, weight, eps)``, ``silu_and_mul_fp8(x)``: the
-  same, their rows quantized per token for an FP8 GEMM -> (e4m3 q, (M, 1) float32 scales) (with the sum)
+* ``rms_norm_fp8(x, weight, eps, group=None)``, ``add_rms_norm_fp8(x, residual, weight, eps, group=None)``,
+  ``silu_and_mul_fp8(x, group=None)``: the same, their rows quantized for an FP8 GEMM, per token or per token and
+  ``group`` columns -> (e4m3 q, float32 scales (M, 1) or (M, K // group)) (with the sum)
 * ``apply_rotary(q, k, positions, cos_sin_cache)``                        -> (q_rot, k_rot) (in place by default)
 * ``sample(logits, temperatures, seeds, steps, out=None)``                -> (B,) int64 (Gumbel-max, no filters)
 * ``sample_partial(logits, temperatures, seeds, steps, vocab_start=0)``  -> ((B,) float32 best scores, (B,) int64

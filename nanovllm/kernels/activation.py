@@ -1,5 +1,6 @@
 """SiLU-and-mul (SwiGLU gate) on the fused [gate | up] projection; ``silu_and_mul_fp8`` quantizes its rows per
-token for an FP8 down projection (``nanovllm.kernels.fp8_quant``'s scheme) in the same launch."""
+token, or per token and ``group`` columns, for an FP8 down projection (``nanovllm.kernels.fp8_quant``'s scheme) in
+the same launch."""
 from __future__ import annotations
 
 import torch
@@ -55,6 +56,20 @@ def _silu_and_mul_fp8_kernel(X, Q, S, inter, stride_x, stride_q, BLOCK: tl.const
     tl.store(S + row, s)
 
 
+@triton.jit
+def _silu_and_mul_fp8_group_kernel(X, Q, S, inter, stride_x, stride_q, stride_s,
+                                   BLOCK: tl.constexpr, QGROUP: tl.constexpr):
+    """One BLOCK-wide tile of a row (whole groups: the scales need nothing outside it)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < inter
+    yg = tl.reshape(_silu_mul_tile(X, row, stride_x, inter, offs, mask), (BLOCK // QGROUP, QGROUP))
+    s = fp8_scale(tl.max(tl.abs(yg), axis=1))
+    tl.store(Q + row * stride_q + offs, tl.reshape(fp8_quantize(yg, s[:, None]), (BLOCK,)), mask=mask)
+    gs = tl.program_id(1) * (BLOCK // QGROUP) + tl.arange(0, BLOCK // QGROUP)
+    tl.store(S + row * stride_s + gs, s, mask=gs < inter // QGROUP)
+
+
 def _check_gate_up(fn: str, x: torch.Tensor) -> None:
     check_float(f"{fn}: x", x)
     check_last_contiguous(f"{fn}: x", x)
@@ -89,16 +104,27 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     return out
 
 
-def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def silu_and_mul_fp8(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, 2 * I) [gate | up] -> (q (M, I) e4m3, s (M, 1) float32): silu(gate) * up quantized per row for an FP8
-    GEMM, bit for bit ``per_token_quant_fp8(silu_and_mul(x))``. Launch sizes come from shapes only."""
+    GEMM, bit for bit ``per_token_quant_fp8(silu_and_mul(x))``; with a group, s (M, I // group), bit for bit
+    ``per_token_group_quant_fp8(silu_and_mul(x), group)``. Launch sizes come from shapes only."""
     _check_gate_up("silu_and_mul_fp8", x)
     if x.dim() != 2:
         raise ValueError(f"silu_and_mul_fp8: x must be 2-D (tokens, 2 * I), got shape {tuple(x.shape)}")
     M, inter = x.shape[0], x.shape[1] // 2
+    if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 16
+                              or group & (group - 1) or inter % group):
+        raise ValueError(f"silu_and_mul_fp8: the group size must be a power of two >= 16 dividing I={inter}, "
+                         f"got {group!r}")
     q = torch.empty((M, inter), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty((M, 1), dtype=torch.float32, device=x.device)
+    s = torch.empty((M, 1 if group is None else inter // group), dtype=torch.float32, device=x.device)
     if M == 0 or inter == 0:
+        return q, s
+    if group is not None:
+        block = max(group, min(next_pow2(inter), 2048))
+        _silu_and_mul_fp8_group_kernel[(M, triton.cdiv(inter, block))](
+            x, q, s, inter, x.stride(0), q.stride(0), s.stride(0), BLOCK=block, QGROUP=group,
+            num_warps=min(16, max(4, block // 256)))
         return q, s
     # rows of up to 4,096 in one tile, longer ones in two passes of 4,096-wide tiles; one warp per 256 columns
     # (at I = 12,288 and 256 rows on an H200: 10.6 us, against 14.5 for one 16,384-wide tile and 12.1 for

@@ -7,9 +7,10 @@ the weight and rounded to the output dtype (``promote_types(weight, x)``); a tok
 float32 in row order and rounded to x's dtype before the add, as ``combine_ref``. So half-precision results match
 the reference to the last bit up to the float32 reduction order.
 
-``rms_norm_fp8`` / ``add_rms_norm_fp8`` quantize the normalized rows per token for an FP8 linear layer (e4m3 and
-one float32 scale per row, ``nanovllm.kernels.fp8_quant``'s scheme) instead of writing them in the model dtype:
-bit for bit what ``per_token_quant_fp8`` gives on the unfused output, without its launch and its re-read.
+``rms_norm_fp8`` / ``add_rms_norm_fp8`` quantize the normalized rows for an FP8 linear layer (e4m3 and float32
+scales per row, or per row and ``group`` columns: ``nanovllm.kernels.fp8_quant``'s scheme) instead of writing them
+in the model dtype: bit for bit what ``per_token_quant_fp8`` / ``per_token_group_quant_fp8`` give on the unfused
+output, without their launch and their re-read.
 """
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
 @triton.jit
 def _rms_norm_kernel(
     X, R, W, Y, S, YS, N, eps,
-    stride_x, stride_r, stride_y, stride_s,
+    stride_x, stride_r, stride_y, stride_s, stride_ys,
     HAS_RES: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr, Y_DTYPE: tl.constexpr, FP8_OUT: tl.constexpr,
+    QGROUP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -46,11 +48,17 @@ def _rms_norm_kernel(
     h = _rms_row(x, N, eps)
     w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
     y = (w * h).to(Y_DTYPE)
-    if FP8_OUT:  # Y e4m3, YS one scale per row: quantized from the rounded value (masked lanes are 0)
+    if FP8_OUT and QGROUP == 0:  # Y e4m3, YS one scale per row, of the rounded values (masked lanes are 0)
         yf = y.to(tl.float32)
         ys = fp8_scale(tl.max(tl.abs(yf), axis=0))
         tl.store(Y + row * stride_y + offs, fp8_quantize(yf, ys), mask=mask)
-        tl.store(YS + row, ys)
+        tl.store(YS + row * stride_ys, ys)
+    elif FP8_OUT:  # one scale per QGROUP columns (N is a multiple of QGROUP; the groups past N are all masked)
+        yg = tl.reshape(y.to(tl.float32), (BLOCK // QGROUP, QGROUP))
+        ys = fp8_scale(tl.max(tl.abs(yg), axis=1))
+        tl.store(Y + row * stride_y + offs, tl.reshape(fp8_quantize(yg, ys[:, None]), (BLOCK,)), mask=mask)
+        gs = tl.arange(0, BLOCK // QGROUP)
+        tl.store(YS + row * stride_ys + gs, ys, mask=gs < N // QGROUP)
     else:
         tl.store(Y + row * stride_y + offs, y, mask=mask)
 
@@ -88,7 +96,7 @@ def _fp8_num_warps(block: int) -> int:
     return min(16, max(4, block // 256))
 
 
-def _launch(x, residual, weight, eps, out, residual_out, rows_per_token=1, fp8_out=False):
+def _launch(x, residual, weight, eps, out, residual_out, rows_per_token=1, fp8_out=False, group=None):
     check_float("rms_norm: x", x)
     check_float("rms_norm: weight", weight)
     N = x.shape[-1]
@@ -123,9 +131,12 @@ def _launch(x, residual, weight, eps, out, residual_out, rows_per_token=1, fp8_o
         r2 = s2 = x2
         sum_dtype = x.dtype
     y_dtype = torch.promote_types(weight.dtype, sum_dtype)
-    if fp8_out:  # (M, N) e4m3 rows and their (M, 1) scales
+    if fp8_out:  # (M, N) e4m3 rows and their (M, 1) or (M, N // group) scales
+        if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 16
+                                  or group & (group - 1) or N % group):
+            raise ValueError(f"rms_norm_fp8: the group size must be a power of two >= 16 dividing {N}, got {group!r}")
         out = (torch.empty((M, N), dtype=torch.float8_e4m3fn, device=x.device),
-               torch.empty((M, 1), dtype=torch.float32, device=x.device))
+               torch.empty((M, 1 if group is None else N // group), dtype=torch.float32, device=x.device))
         y2, ys = out
     else:
         if out is None:
@@ -138,9 +149,9 @@ def _launch(x, residual, weight, eps, out, residual_out, rows_per_token=1, fp8_o
     BLOCK = next_pow2(N)
     _rms_norm_kernel[(M,)](
         x2, r2, weight, y2, s2, ys, N, float(eps),
-        x2.stride(0), r2.stride(0), y2.stride(0), s2.stride(0),
+        x2.stride(0), r2.stride(0), y2.stride(0), s2.stride(0), ys.stride(0),
         HAS_RES=residual is not None, GROUP=rows_per_token, BLOCK=BLOCK, Y_DTYPE=_TL_DTYPES[y_dtype],
-        FP8_OUT=fp8_out, num_warps=_fp8_num_warps(BLOCK) if fp8_out else _num_warps(BLOCK),
+        FP8_OUT=fp8_out, QGROUP=group or 0, num_warps=_fp8_num_warps(BLOCK) if fp8_out else _num_warps(BLOCK),
     )
     return out, residual_out
 
@@ -162,20 +173,22 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return _launch(x, residual, weight, eps, out, residual_out, rows_per_token)
 
 
-def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``rms_norm`` quantized per row for an FP8 GEMM: x (M, N) -> (q (M, N) e4m3, s (M, 1) float32), bit for bit
-    ``per_token_quant_fp8(rms_norm(x, weight, eps))``."""
+    ``per_token_quant_fp8(rms_norm(x, weight, eps))``; with a group, s (M, N // group), bit for bit
+    ``per_token_group_quant_fp8(rms_norm(x, weight, eps), group)``."""
     _check_rows_2d("rms_norm_fp8", x)
-    return _launch(x, None, weight, eps, None, None, fp8_out=True)[0]
+    return _launch(x, None, weight, eps, None, None, fp8_out=True, group=group)[0]
 
 
 def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                     residual_out: torch.Tensor | None = None, *,
-                     rows_per_token: int = 1) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """``add_rms_norm`` with its normalized rows quantized per row for an FP8 GEMM: ((q (T, N) e4m3, s (T, 1)
-    float32), x + residual), bit for bit ``per_token_quant_fp8`` of ``add_rms_norm``'s first output."""
+                     residual_out: torch.Tensor | None = None, *, rows_per_token: int = 1,
+                     group: int | None = None) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``add_rms_norm`` with its normalized rows quantized for an FP8 GEMM as ``rms_norm_fp8`` quantizes them:
+    ((q (T, N) e4m3, s (T, 1) or (T, N // group) float32), x + residual)."""
     _check_rows_2d("add_rms_norm_fp8", x)
-    return _launch(x, residual, weight, eps, None, residual_out, rows_per_token, fp8_out=True)
+    return _launch(x, residual, weight, eps, None, residual_out, rows_per_token, fp8_out=True, group=group)
 
 
 def _check_rows_2d(fn: str, x: torch.Tensor) -> None:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.distributed.group import TPGroup
+from nanovllm.layers.quantization.fp8_rows import Fp8RowsSpec
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -28,8 +29,8 @@ def _divide(n: int, d: int, what: str) -> int:
 class LinearMethod(Protocol):
     """How a linear layer stores its weight and computes ``x @ W.T (+ bias)``."""
 
-    # whether apply also takes x as `Fp8Rows` (quantized per token by the norm or activation that produced it)
-    takes_fp8_rows: bool
+    # the `Fp8Rows` apply also takes for x (quantized so by the norm or activation that produced it); None: none
+    fp8_rows: Fp8RowsSpec | None
 
     def create_weights(self, layer: LinearBase, in_features: int, out_features: int) -> None:
         """Register the layer's parameters (at least ``weight``, with the layer's ``weight_loader``)."""
@@ -67,7 +68,7 @@ class GemmPlan:
 class UnquantizedLinearMethod:
     """Weights in the model's dtype; torch's GEMM, or the plan's choice for a planned row count."""
 
-    takes_fp8_rows = False
+    fp8_rows = None
 
     def __init__(self, plan: GemmPlan | None = None):
         self.plan = plan if plan is not None else GemmPlan()

@@ -31,8 +31,8 @@ class Ops:
     fused_moe: Callable = fused_moe_ref
     # (w13, w2, top_k, renormalize) -> compiles every kernel variant fused_moe may pick for those weights; None: none
     fused_moe_compile: Callable | None = None
-    # the same norms and SiLU-and-mul quantizing their rows per token for an online FP8 linear layer: -> (e4m3 q,
-    # (T, 1) float32 scales) (add_rms_norm_fp8: with the sum); None: the layer quantizes its input itself
+    # the same norms and SiLU-and-mul quantizing their rows for an FP8 linear layer, per token or (group=g) per token
+    # and g columns: -> (e4m3 q, float32 scales) (add_rms_norm_fp8: with the sum); None: the layer quantizes its input
     rms_norm_fp8: Callable | None = None
     add_rms_norm_fp8: Callable | None = None
     silu_and_mul_fp8: Callable | None = None

@@ -105,16 +105,17 @@ class DecoderMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, ctx.tp,
                                            ctx.linear(f"{prefix}.down_proj"))
         self.act = ctx.ops.silu_and_mul
-        if self.down_proj.method.takes_fp8_rows and ctx.ops.silu_and_mul_fp8 is not None:
-            self.act = _fp8_rows_of(ctx.ops.silu_and_mul_fp8)  # quantized for the FP8 down projection
+        spec = self.down_proj.method.fp8_rows
+        if spec is not None and ctx.ops.silu_and_mul_fp8 is not None:  # quantized for the FP8 down projection
+            self.act = _fp8_rows_of(ctx.ops.silu_and_mul_fp8, spec.group)
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)), reduce)
 
 
-def _fp8_rows_of(silu_and_mul_fp8):
+def _fp8_rows_of(silu_and_mul_fp8, group: int | None):
     def act(x: torch.Tensor) -> Fp8Rows:
-        return Fp8Rows(*silu_and_mul_fp8(x), x.dtype)
+        return Fp8Rows(*silu_and_mul_fp8(x, group), x.dtype, group)
     return act
 
 
@@ -167,9 +168,9 @@ class DecoderLayer(nn.Module):
         # each norm quantizes its rows itself where it feeds an online FP8 projection (one launch less)
         mlp_in = self.mlp.gate_up_proj if isinstance(self.mlp, DecoderMLP) else None
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.ops,
-                                       fp8_out=self.self_attn.qkv_proj.method.takes_fp8_rows)
+                                       fp8_out=self.self_attn.qkv_proj.method.fp8_rows)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.ops,
-                                                fp8_out=mlp_in is not None and mlp_in.method.takes_fp8_rows)
+                                                fp8_out=None if mlp_in is None else mlp_in.method.fp8_rows)
 
     def forward(self, positions, hidden, residual, meta, out_rows: OutputRows | None = None):
         """hidden: the embeddings (residual None, first layer) or the previous layer's output as this rank's

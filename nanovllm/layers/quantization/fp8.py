@@ -14,7 +14,7 @@ from nanovllm.layers.linear import LinearBase
 from nanovllm.layers.moe import UnquantizedMoEMethod
 from nanovllm.layers.quantization import fp8_ref
 from nanovllm.layers.quantization.fp8_ref import FP8_DTYPE
-from nanovllm.layers.quantization.fp8_rows import Fp8Rows
+from nanovllm.layers.quantization.fp8_rows import Fp8Rows, Fp8RowsSpec
 
 
 def _into(y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -22,6 +22,13 @@ def _into(y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         return y
     out.copy_(y)
     return out
+
+
+def _check_rows(x, group: int | None) -> None:
+    """Pre-quantized rows must be quantized as the method quantizes its input (per token, or per `group` columns)."""
+    if isinstance(x, Fp8Rows) and x.group != group:
+        raise ValueError(f"FP8 rows quantized per {x.group or 'token'} columns reach a layer that quantizes per "
+                         f"{group or 'token'}")
 
 
 def _scaled_mm_fits(w: torch.Tensor) -> bool:
@@ -38,7 +45,7 @@ class Fp8LinearMethod:
 
     def __init__(self, use_kernels: bool):
         self.use_kernels = use_kernels
-        self.takes_fp8_rows = use_kernels
+        self.fp8_rows = Fp8RowsSpec() if use_kernels else None
 
     def create_weights(self, layer, in_features, out_features):
         layer.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)  # model dtype
@@ -52,6 +59,7 @@ class Fp8LinearMethod:
 
     def apply(self, layer, x, bias, out=None):
         w, ws = layer.weight, layer.weight_scale
+        _check_rows(x, None)
         if not self.use_kernels:
             xq, xs = (x.q, x.scale) if isinstance(x, Fp8Rows) else fp8_ref.quantize_rows(x)
             return _into(fp8_ref.fp8_linear_rowwise_ref(xq, xs, w, ws, x.dtype, bias), out)
@@ -73,11 +81,10 @@ class Fp8BlockLinearMethod:
     through the layer's sharding: a fused or tensor-parallel layer's scales shard with its rows / columns, which
     must then fall on whole tiles."""
 
-    takes_fp8_rows = False  # (its activations are quantized per 128 columns, not per token)
-
     def __init__(self, block: tuple[int, int], use_kernels: bool):
         self.block = tuple(block)
         self.use_kernels = use_kernels
+        self.fp8_rows = Fp8RowsSpec(self.block[1]) if use_kernels else None
 
     def create_weights(self, layer, in_features, out_features):
         bn, bk = self.block
@@ -97,11 +104,12 @@ class Fp8BlockLinearMethod:
 
     def apply(self, layer, x, bias, out=None):
         w, ws, bk = layer.weight, layer.weight_scale_inv, self.block[1]
+        _check_rows(x, bk)
         if not self.use_kernels:
-            xq, xs = fp8_ref.quantize_groups(x, bk)
+            xq, xs = (x.q, x.scale) if isinstance(x, Fp8Rows) else fp8_ref.quantize_groups(x, bk)
             return _into(fp8_ref.fp8_linear_block_ref(xq, xs, w, ws, self.block, x.dtype, bias), out)
         from nanovllm import kernels
-        xq, xs = kernels.per_token_group_quant_fp8(x, bk)
+        xq, xs = (x.q, x.scale) if isinstance(x, Fp8Rows) else kernels.per_token_group_quant_fp8(x, bk)
         return kernels.w8a8_gemm(xq, xs, w, ws, x.dtype, block=self.block, bias=bias, out=out)
 
 
