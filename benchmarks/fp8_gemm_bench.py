@@ -1,5 +1,6 @@
-"""The FP8 GEMM of online quantization (row-wise scales) on one CUDA GPU: torch._scaled_mm against every candidate
-tiling of our Triton kernel (``nanovllm.kernels.fp8_gemm``), at a model's projection shapes and decode row counts.
+"""The FP8 GEMM of online quantization (row-wise scales) on one CUDA GPU: torch._scaled_mm (with fast accumulation,
+as the engine calls it) against every candidate tiling of our Triton kernel (``nanovllm.kernels.fp8_gemm``), at a
+model's projection shapes and decode row counts.
 
     python3 benchmarks/fp8_gemm_bench.py [--model benchmarks/models/qwen3-8b] [--rows 16 64 128 256] [--json f]
 
@@ -68,8 +69,8 @@ def bench_shape(M: int, name: str, N: int, K: int, ws: list, cands: list[Fp8Gemm
     with ThreadPoolExecutor(16) as pool:  # compile side by side (the compiler runs in subprocesses)
         list(pool.map(lambda c: _try(lambda: w8a8_gemm(xq, xs, *ws[0], torch.bfloat16, out=out, config=c)), cands))
     torch.cuda.synchronize()
-    t_mm = _seconds(lambda: [torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=s.view(1, -1),
-                                              out_dtype=torch.bfloat16, out=out) for w, s in ws], len(ws))
+    t_mm = _seconds(lambda: [torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=s.view(1, -1), out_dtype=torch.bfloat16,
+                                              out=out, use_fast_accum=True) for w, s in ws], len(ws))
     times = {c: _seconds(lambda c=c: [w8a8_gemm(xq, xs, w, s, torch.bfloat16, out=out, config=c) for w, s in ws],
                          len(ws)) for c in cands}
     best = min(times, key=times.get)

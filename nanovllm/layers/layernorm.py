@@ -1,5 +1,5 @@
 """RMSNorm, optionally fused with the residual add that precedes it (as in every Llama-style block), and
-optionally quantizing its output per token for the online FP8 linear layer it feeds (`Fp8Rows`)."""
+optionally quantizing its output for the FP8 linear layer it feeds (`Fp8Rows`)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
