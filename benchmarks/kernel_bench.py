@@ -5,6 +5,7 @@
     python3 benchmarks/kernel_bench.py attention --kv-cache-dtype fp8 [--sweep]   # ours over an e4m3 KV cache
     python3 benchmarks/kernel_bench.py decode [--sweep]     # decode attention over bf16 and e4m3 caches
     python3 benchmarks/kernel_bench.py moe [--tp 1] [--tokens 1 8 256 ...] [--layers 4] [--fp8] [--json moe.json]
+    python3 benchmarks/kernel_bench.py fp8act [--model benchmarks/models/qwen3-8b] [--rows 64 256 1024]
 
 attention: causal bf16 prefill attention, head_dim 128, 32 query / 8 KV heads (Qwen3-8B, Llama-3-8B) and 16 / 8
 (Qwen3-0.6B), at 1,024 / 4,096 / 8,192 / 16,384 tokens and 8 x 8,192; in TFLOP/s with FLOPs = 2 * 2 * H * D *
@@ -41,6 +42,13 @@ current table's config. Prints per M: microseconds, achieved TB/s (the experts t
 TFLOP/s, the current table's time, and at the end the measured table as an entry of ``MOE_CONFIGS`` in
 ``nanovllm/kernels/moe_configs.py``, to paste there. --fp8: the experts in e4m3 with per-row scales, as
 ``quantization="fp8"`` stores them (weight-only; bytes and TB/s count one byte per weight).
+
+fp8act: the activation quantization of the FP8 linear layers at a model's hidden and intermediate sizes (its
+config.json), bf16 rows: the add + RMSNorm and the SiLU-and-mul followed by the quantizer (``per_token_quant_fp8``
+/ ``per_token_group_quant_fp8``), as two launches, against the kernels that write the e4m3 rows themselves
+(``add_rms_norm_fp8`` / ``silu_and_mul_fp8``: what the engine runs), per token and per token and 128 columns.
+Microseconds per call in CUDA graphs over 8 input copies; each fused result is checked bit for bit against the
+two-launch one.
 """
 from __future__ import annotations
 
@@ -59,14 +67,17 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from nanovllm.engine.gemm_plan import graph_seconds  # noqa: E402
+from nanovllm.kernels.activation import silu_and_mul, silu_and_mul_fp8  # noqa: E402
 from nanovllm.kernels.decode_attention import (  # noqa: E402
     LONG_CONTEXT_TOKENS,
     decode_long_splits,
     paged_decode_attention,
 )
+from nanovllm.kernels.fp8_quant import per_token_group_quant_fp8, per_token_quant_fp8  # noqa: E402
 from nanovllm.kernels.moe import fused_moe, moe_down, moe_gate_up  # noqa: E402
 from nanovllm.kernels.moe_configs import GemmTile, MoEConfig, moe_config  # noqa: E402
 from nanovllm.kernels.moe_routing import moe_route, moe_route_align  # noqa: E402
+from nanovllm.kernels.norm import add_rms_norm, add_rms_norm_fp8  # noqa: E402
 from nanovllm.layers.moe_ref import fused_moe_ref  # noqa: E402
 from nanovllm.layers.quantization import fp8_ref  # noqa: E402
 
@@ -542,7 +553,50 @@ def decode(argv: list[str]) -> None:
             torch.cuda.empty_cache()
 
 
-COMMANDS = {"attention": attention, "moe": moe, "decode": decode}
+def fp8act_cases(hidden: int, inter: int, rows: int, device, copies: int = 8, group: int | None = None) -> dict:
+    """name -> (two launches, one launch), each a function over `copies` inputs returning the last (q, s): the
+    add + RMSNorm before q/k/v and gate/up (hidden wide) and the SiLU-and-mul before down (inter wide)."""
+    g = torch.Generator(device="cpu").manual_seed(rows)
+    xs = [torch.randn(rows, hidden, generator=g).bfloat16().to(device) for _ in range(copies)]
+    r = torch.randn(rows, hidden, generator=g).bfloat16().to(device)
+    w = torch.randn(hidden, generator=g).bfloat16().to(device)
+    gu = [torch.randn(rows, 2 * inter, generator=g).bfloat16().to(device) for _ in range(copies)]
+
+    def quant(y):
+        return per_token_quant_fp8(y) if group is None else per_token_group_quant_fp8(y, group)
+    return {
+        "add + RMSNorm": (lambda: [quant(add_rms_norm(x, r, w, 1e-6)[0]) for x in xs][-1],
+                          lambda: [add_rms_norm_fp8(x, r, w, 1e-6, group=group)[0] for x in xs][-1]),
+        "SiLU-and-mul": (lambda: [quant(silu_and_mul(x)) for x in gu][-1],
+                         lambda: [silu_and_mul_fp8(x, group) for x in gu][-1]),
+    }
+
+
+def fp8act(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="kernel_bench.py fp8act", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="benchmarks/models/qwen3-8b", help="a directory with config.json")
+    ap.add_argument("--rows", type=int, nargs="+", default=[64, 256, 1024])
+    ns = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("kernel_bench.py fp8act needs a CUDA GPU")
+    with open(os.path.join(ns.model, "config.json")) as f:
+        cfg = json.load(f)
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    print(f"{torch.cuda.get_device_name()}: FP8 activation quantization, hidden {hidden}, intermediate {inter}, "
+          "bf16 rows; us per call (CUDA graphs over 8 inputs)")
+    for group in (None, 128):
+        for M in ns.rows:
+            for name, (two, one) in fp8act_cases(hidden, inter, M, "cuda", group=group).items():
+                (q2, s2), (q1, s1) = two(), one()
+                same = torch.equal(q1.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s1, s2)
+                t2, t1 = graph_seconds(two, reps=20) / 8 * 1e6, graph_seconds(one, reps=20) / 8 * 1e6
+                print(f"{'per token' if group is None else f'groups of {group}':12s} M={M:5d} {name:14s} "
+                      f"+ quantizer {t2:7.2f} us | fused {t1:7.2f} us ({t2 / t1:.2f}x)"
+                      + ("" if same else "  DIFFERENT BYTES"), flush=True)
+
+
+COMMANDS = {"attention": attention, "moe": moe, "decode": decode, "fp8act": fp8act}
 
 
 

@@ -141,6 +141,19 @@ def test_kernel_bench_moe_sweep_block(monkeypatch):
     assert len(runs) == 5 and nb >= 1  # two candidates per GEMM, then the layer
 
 
+@pytest.mark.parametrize("group", [None, 16])
+def test_kernel_bench_fp8act_cases(group):
+    """kernel_bench fp8act's two ways to quantize each activation (the plain kernel + the quantizer, and the fused
+    kernel) give the same bytes (the CPU interpreter on a tiny shape)."""
+    import kernel_bench
+    cases = kernel_bench.fp8act_cases(48, 32, 3, "cpu", copies=2, group=group)
+    assert set(cases) == {"add + RMSNorm", "SiLU-and-mul"}
+    for two, one in cases.values():
+        (q2, s2), (q1, s1) = two(), one()
+        assert q1.dtype == torch.float8_e4m3fn and s1.shape == (3, 1 if group is None else q1.shape[1] // group)
+        assert torch.equal(q1.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s1, s2)
+
+
 def test_fp8_gemm_bench_shapes_and_candidates():
     """fp8_gemm_bench's projections of Qwen3-8B and its candidate tilings (each pipeline within shared memory,
     no more rows per tile than the step has, at least 16)."""
