@@ -70,6 +70,25 @@ def test_activation_quantizers_are_exact(M, K):
                        "per-group quantizer")
 
 
+@pytest.mark.parametrize("group", [None, 128])
+@pytest.mark.parametrize("M", [BATCH, 4096])
+def test_quantizing_norm_and_silu_full_size(M, group):
+    """The norms and SiLU-and-mul that write e4m3 rows (what the FP8 projections after them read) at Qwen3-8B's
+    sizes: the bytes and scales of the unfused kernel followed by the quantizer, exactly."""
+    x = (torch.randn(M, HIDDEN, device=DEV) * 3).bfloat16()
+    r, w = torch.randn_like(x), torch.randn(HIDDEN, device=DEV).bfloat16()
+    gu = (torch.randn(M, 2 * INTER, device=DEV) * 3).bfloat16()
+
+    def quant(y):
+        return kernels.per_token_quant_fp8(y) if group is None else kernels.per_token_group_quant_fp8(y, group)
+    (q, s), summed = kernels.add_rms_norm_fp8(x, r, w, 1e-6, group=group)
+    normed, summed_ref = kernels.add_rms_norm(x, r, w, 1e-6)
+    for (a, sa), (b, sb), what in (((q, s), quant(normed), "add + RMSNorm"),
+                                   (kernels.silu_and_mul_fp8(gu, group), quant(kernels.silu_and_mul(gu)), "SiLU")):
+        assert torch.equal(_bits(a), _bits(b)) and torch.equal(sa, sb), what
+    assert torch.equal(summed, summed_ref)
+
+
 @pytest.mark.parametrize("N,K", PROJECTIONS)
 @pytest.mark.parametrize("M", ROWS)
 def test_block_fp8_gemm(M, N, K):
