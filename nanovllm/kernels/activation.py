@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels._common import check_float, check_last_contiguous, next_pow2
-from nanovllm.kernels.fp8_quant import fp8_quantize, fp8_scale
+from nanovllm.kernels.fp8_quant import check_group, fp8_quantize, fp8_quantize_groups, fp8_scale
 
 
 @triton.jit
@@ -63,9 +63,8 @@ def _silu_and_mul_fp8_group_kernel(X, Q, S, inter, stride_x, stride_q, stride_s,
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
-    yg = tl.reshape(_silu_mul_tile(X, row, stride_x, inter, offs, mask), (BLOCK // QGROUP, QGROUP))
-    s = fp8_scale(tl.max(tl.abs(yg), axis=1))
-    tl.store(Q + row * stride_q + offs, tl.reshape(fp8_quantize(yg, s[:, None]), (BLOCK,)), mask=mask)
+    q, s = fp8_quantize_groups(_silu_mul_tile(X, row, stride_x, inter, offs, mask), BLOCK, QGROUP)
+    tl.store(Q + row * stride_q + offs, q, mask=mask)
     gs = tl.program_id(1) * (BLOCK // QGROUP) + tl.arange(0, BLOCK // QGROUP)
     tl.store(S + row * stride_s + gs, s, mask=gs < inter // QGROUP)
 
@@ -112,10 +111,8 @@ def silu_and_mul_fp8(x: torch.Tensor, group: int | None = None) -> tuple[torch.T
     if x.dim() != 2:
         raise ValueError(f"silu_and_mul_fp8: x must be 2-D (tokens, 2 * I), got shape {tuple(x.shape)}")
     M, inter = x.shape[0], x.shape[1] // 2
-    if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 16
-                              or group & (group - 1) or inter % group):
-        raise ValueError(f"silu_and_mul_fp8: the group size must be a power of two >= 16 dividing I={inter}, "
-                         f"got {group!r}")
+    if group is not None:
+        check_group("silu_and_mul_fp8", group, inter)
     q = torch.empty((M, inter), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((M, 1 if group is None else inter // group), dtype=torch.float32, device=x.device)
     if M == 0 or inter == 0:

@@ -53,6 +53,21 @@ def fp8_quantize(x, scale):
 
 
 @triton.jit
+def fp8_quantize_groups(y, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+    """A (BLOCK,) float32 tile of a row quantized per GROUP consecutive values (BLOCK a multiple of GROUP):
+    (e4m3 (BLOCK,), float32 scales (BLOCK // GROUP,)). Masked lanes should be 0."""
+    yg = tl.reshape(y, (BLOCK // GROUP, GROUP))
+    s = fp8_scale(tl.max(tl.abs(yg), axis=1))
+    return tl.reshape(fp8_quantize(yg, s[:, None]), (BLOCK,)), s
+
+
+def check_group(fn: str, group, K: int) -> None:
+    """A per-token-and-group quantization's group size: a power of two >= 16 dividing K (ValueError naming it)."""
+    if isinstance(group, bool) or not isinstance(group, int) or group < 16 or group & (group - 1) or K % group:
+        raise ValueError(f"{fn}: the group size must be a power of two >= 16 dividing K={K}, got {group!r}")
+
+
+@triton.jit
 def _per_token_quant_kernel(X, Q, S, K, stride_x, stride_q, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_K)
@@ -117,8 +132,7 @@ def per_token_group_quant_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor
     fn = "per_token_group_quant_fp8"
     _check_2d(fn, x)
     M, K = x.shape
-    if group < 16 or group & (group - 1) or K % group:
-        raise ValueError(f"{fn}: the group size must be a power of two >= 16 dividing K={K}, got {group}")
+    check_group(fn, group, K)
     num_groups = K // group
     q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((M, num_groups), dtype=torch.float32, device=x.device)

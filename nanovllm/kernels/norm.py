@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels._common import check_float, check_last_contiguous, check_same_device, next_pow2
-from nanovllm.kernels.fp8_quant import fp8_quantize, fp8_scale
+from nanovllm.kernels.fp8_quant import check_group, fp8_quantize, fp8_quantize_groups, fp8_scale
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -54,9 +54,8 @@ def _rms_norm_kernel(
         tl.store(Y + row * stride_y + offs, fp8_quantize(yf, ys), mask=mask)
         tl.store(YS + row * stride_ys, ys)
     elif FP8_OUT:  # one scale per QGROUP columns (N is a multiple of QGROUP; the groups past N are all masked)
-        yg = tl.reshape(y.to(tl.float32), (BLOCK // QGROUP, QGROUP))
-        ys = fp8_scale(tl.max(tl.abs(yg), axis=1))
-        tl.store(Y + row * stride_y + offs, tl.reshape(fp8_quantize(yg, ys[:, None]), (BLOCK,)), mask=mask)
+        q, ys = fp8_quantize_groups(y.to(tl.float32), BLOCK, QGROUP)
+        tl.store(Y + row * stride_y + offs, q, mask=mask)
         gs = tl.arange(0, BLOCK // QGROUP)
         tl.store(YS + row * stride_ys + gs, ys, mask=gs < N // QGROUP)
     else:
@@ -132,9 +131,8 @@ def _launch(x, residual, weight, eps, out, residual_out, rows_per_token=1, fp8_o
         sum_dtype = x.dtype
     y_dtype = torch.promote_types(weight.dtype, sum_dtype)
     if fp8_out:  # (M, N) e4m3 rows and their (M, 1) or (M, N // group) scales
-        if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 16
-                                  or group & (group - 1) or N % group):
-            raise ValueError(f"rms_norm_fp8: the group size must be a power of two >= 16 dividing {N}, got {group!r}")
+        if group is not None:
+            check_group("rms_norm_fp8", group, N)
         out = (torch.empty((M, N), dtype=torch.float8_e4m3fn, device=x.device),
                torch.empty((M, 1 if group is None else N // group), dtype=torch.float32, device=x.device))
         y2, ys = out
