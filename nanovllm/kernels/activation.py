@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels._common import check_float, check_last_contiguous, next_pow2
-from nanovllm.kernels.fp8_quant import check_group, fp8_quantize, fp8_quantize_groups, fp8_scale
+from nanovllm.kernels.fp8_quant import check_group, fp8_quantize, fp8_quantize_groups, fp8_scale, group_quant_empty
 
 
 @triton.jit
@@ -57,7 +57,7 @@ def _silu_and_mul_fp8_kernel(X, Q, S, inter, stride_x, stride_q, BLOCK: tl.const
 
 
 @triton.jit
-def _silu_and_mul_fp8_group_kernel(X, Q, S, inter, stride_x, stride_q, stride_s,
+def _silu_and_mul_fp8_group_kernel(X, Q, S, inter, stride_x, stride_q, stride_sm, stride_sg,
                                    BLOCK: tl.constexpr, QGROUP: tl.constexpr):
     """One BLOCK-wide tile of a row (whole groups: the scales need nothing outside it)."""
     row = tl.program_id(0).to(tl.int64)
@@ -66,7 +66,7 @@ def _silu_and_mul_fp8_group_kernel(X, Q, S, inter, stride_x, stride_q, stride_s,
     q, s = fp8_quantize_groups(_silu_mul_tile(X, row, stride_x, inter, offs, mask), BLOCK, QGROUP)
     tl.store(Q + row * stride_q + offs, q, mask=mask)
     gs = tl.program_id(1) * (BLOCK // QGROUP) + tl.arange(0, BLOCK // QGROUP)
-    tl.store(S + row * stride_s + gs, s, mask=gs < inter // QGROUP)
+    tl.store(S + row * stride_sm + gs * stride_sg, s, mask=gs < inter // QGROUP)
 
 
 def _check_gate_up(fn: str, x: torch.Tensor) -> None:
@@ -106,21 +106,25 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
 def silu_and_mul_fp8(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, 2 * I) [gate | up] -> (q (M, I) e4m3, s (M, 1) float32): silu(gate) * up quantized per row for an FP8
     GEMM, bit for bit ``per_token_quant_fp8(silu_and_mul(x))``; with a group, s (M, I // group), bit for bit
-    ``per_token_group_quant_fp8(silu_and_mul(x), group)``. Launch sizes come from shapes only."""
+    ``per_token_group_quant_fp8(silu_and_mul(x), group)`` (laid out as it lays them out). Launch sizes come from
+    shapes only."""
     _check_gate_up("silu_and_mul_fp8", x)
     if x.dim() != 2:
         raise ValueError(f"silu_and_mul_fp8: x must be 2-D (tokens, 2 * I), got shape {tuple(x.shape)}")
     M, inter = x.shape[0], x.shape[1] // 2
     if group is not None:
         check_group("silu_and_mul_fp8", group, inter)
-    q = torch.empty((M, inter), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty((M, 1 if group is None else inter // group), dtype=torch.float32, device=x.device)
+    if group is None:
+        q = torch.empty((M, inter), dtype=torch.float8_e4m3fn, device=x.device)
+        s = torch.empty((M, 1), dtype=torch.float32, device=x.device)
+    else:
+        q, s = group_quant_empty(M, inter, group, x.device)
     if M == 0 or inter == 0:
         return q, s
     if group is not None:
         block = max(group, min(next_pow2(inter), 2048))
         _silu_and_mul_fp8_group_kernel[(M, triton.cdiv(inter, block))](
-            x, q, s, inter, x.stride(0), q.stride(0), s.stride(0), BLOCK=block, QGROUP=group,
+            x, q, s, inter, x.stride(0), q.stride(0), s.stride(0), s.stride(1), BLOCK=block, QGROUP=group,
             num_warps=min(16, max(4, block // 256)))
         return q, s
     # rows of up to 4,096 in one tile, longer ones in two passes of 4,096-wide tiles; one warp per 256 columns

@@ -42,7 +42,7 @@ class Fp8GemmConfig:
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(
     A, B, AS, BS, C, BIAS, M, N, K,
-    stride_am, stride_bn, stride_cm, stride_asm, stride_bsn,
+    stride_am, stride_bn, stride_cm, stride_asm, stride_asg, stride_bsn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_N: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCKWISE: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
@@ -71,7 +71,7 @@ def _fp8_gemm_kernel(
         a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if BLOCKWISE:
-            a_s = tl.load(as_ptrs + kb, mask=m_ok, other=0.0)
+            a_s = tl.load(as_ptrs + kb * stride_asg, mask=m_ok, other=0.0)
             b_s = tl.load(bs_ptrs + kb, mask=n_ok, other=0.0)
             acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         else:
@@ -106,7 +106,8 @@ def w8a8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Te
     Args:
         xq: (M, K) e4m3 activations, contiguous last dim. wq: (N, K) e4m3 weights, contiguous last dim.
         block: None for row-wise scales: xs (M, 1), ws (N,); or the weight's (bn, bk) tile (powers of two >= 16)
-            for block-wise scales: xs (M, ceil(K / bk)) and ws (ceil(N / bn), ceil(K / bk)).
+            for block-wise scales: xs (M, ceil(K / bk)), any strides (the group quantizers write them column-major),
+            and ws (ceil(N / bn), ceil(K / bk)).
         bias: optional (N,). out: optional (M, N) output, contiguous last dim.
         config: the tiling (default: ``default_config`` of the shape); block-wise, its block_k must be bk.
     """
@@ -126,9 +127,9 @@ def w8a8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Te
         bn, bk = block
         want_xs, want_ws, block_k, scale_n = (M, -(-K // bk)), (-(-N // bn), -(-K // bk)), bk, bn
     for name, t, want in (("xs", xs, want_xs), ("ws", ws, want_ws)):
-        if t.dtype != torch.float32 or tuple(t.shape) != want or t.stride(-1) != 1:
-            raise ValueError(f"{fn}: {name} must be float32 {want} with a contiguous last dim, got {t.dtype} "
-                             f"{tuple(t.shape)}")
+        if t.dtype != torch.float32 or tuple(t.shape) != want or (name == "ws" and t.stride(-1) != 1):
+            raise ValueError(f"{fn}: {name} must be float32 {want}" + (" with a contiguous last dim" if name == "ws"
+                             else "") + f", got {t.dtype} {tuple(t.shape)}")
     if bias is not None and (bias.shape != (N,) or not bias.is_contiguous()):
         raise ValueError(f"{fn}: bias must be contiguous ({N},), got {tuple(bias.shape)}")
     if out is None:
@@ -147,7 +148,7 @@ def w8a8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Te
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
     _fp8_gemm_kernel[grid](
         xq, wq, xs, ws, out, bias if bias is not None else ws, M, N, K,
-        xq.stride(0), wq.stride(0), out.stride(0), xs.stride(0), ws.stride(0) if block is not None else 1,
+        xq.stride(0), wq.stride(0), out.stride(0), xs.stride(0), xs.stride(1), ws.stride(0) if block is not None else 1,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SCALE_N=scale_n, GROUP_M=8,
         BLOCKWISE=block is not None, HAS_BIAS=bias is not None, num_warps=config.num_warps,
         num_stages=config.num_stages,

@@ -10,6 +10,9 @@ memory-bound kernels.)
 
 * ``per_token_quant_fp8(x)``             -> (q (M, K) e4m3, s (M, 1) float32)   (reference ``quantize_rows``)
 * ``per_token_group_quant_fp8(x, group)`` -> (q (M, K) e4m3, s (M, K // group))  (reference ``quantize_groups``)
+
+The per-token-and-group quantizers (this one, the quantizing norms and SiLU-and-mul) write into
+``group_quant_empty``'s buffers: the layout cuBLASLt's block-wise scaled GEMM takes (``padded_group_rows``).
 """
 from __future__ import annotations
 
@@ -91,8 +94,31 @@ def _per_token_quant_kernel(X, Q, S, K, stride_x, stride_q, BLOCK_K: tl.constexp
     tl.store(S + row, s)
 
 
+def group_quant_empty(M: int, K: int, group: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The outputs of a per-token-and-group quantization of (M, K) rows, laid out as ``torch._scaled_mm`` takes
+    1 x group activation scales (cuBLASLt's block-wise scaling on Hopper): q (M, K) e4m3, the first M rows of a
+    buffer of M rounded up to a multiple of 4 rows; s (M, K // group) float32 over the same padded rows, column
+    by column (strides (1, M_pad)). The rows past M are never written."""
+    m_pad = -(-M // 4) * 4
+    q = torch.empty((m_pad, K), dtype=torch.float8_e4m3fn, device=device)[:M]
+    s = torch.empty((K // group, m_pad), dtype=torch.float32, device=device).t()[:M]
+    return q, s
+
+
+def padded_group_rows(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``group_quant_empty``'s (q, s) as the whole padded buffers (M_pad, K) and (M_pad, K // group) they are
+    views of, or None when they are not laid out so (rows quantized elsewhere)."""
+    (M, K), G = q.shape, s.shape[1]
+    m_pad = -(-M // 4) * 4
+    if (q.dtype != torch.float8_e4m3fn or s.dtype != torch.float32 or s.shape[0] != M or q.stride() != (K, 1)
+            or s.stride() != (1, m_pad) or q.storage_offset() or s.storage_offset()
+            or q.untyped_storage().nbytes() < m_pad * K or s.untyped_storage().nbytes() < 4 * m_pad * G):
+        return None
+    return q.as_strided((m_pad, K), (K, 1)), s.as_strided((m_pad, G), (1, m_pad))
+
+
 @triton.jit
-def _group_quant_kernel(X, Q, S, num_groups, stride_x, stride_q, stride_s,
+def _group_quant_kernel(X, Q, S, num_groups, stride_x, stride_q, stride_sm, stride_sg,
                         GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     gs = tl.program_id(1) * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
@@ -101,7 +127,7 @@ def _group_quant_kernel(X, Q, S, num_groups, stride_x, stride_q, stride_s,
     x = tl.load(X + row * stride_x + offs, mask=g_ok[:, None], other=0.0).to(tl.float32)
     s = fp8_scale(tl.max(tl.abs(x), axis=1))                                 # (GROUPS_PER_PROG,)
     tl.store(Q + row * stride_q + offs, fp8_quantize(x, s[:, None]), mask=g_ok[:, None])
-    tl.store(S + row * stride_s + gs, s, mask=g_ok)
+    tl.store(S + row * stride_sm + gs * stride_sg, s, mask=g_ok)
 
 
 def _check_2d(fn: str, x: torch.Tensor) -> None:
@@ -128,18 +154,18 @@ def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def per_token_group_quant_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic quantization per token and per ``group`` consecutive columns (the activations of a block-FP8
-    GEMM): x (M, K), K a multiple of group (a power of two >= 16) -> (q (M, K) e4m3, s (M, K // group) float32)."""
+    GEMM): x (M, K), K a multiple of group (a power of two >= 16) -> (q (M, K) e4m3, s (M, K // group) float32),
+    laid out by ``group_quant_empty``."""
     fn = "per_token_group_quant_fp8"
     _check_2d(fn, x)
     M, K = x.shape
     check_group(fn, group, K)
     num_groups = K // group
-    q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty((M, num_groups), dtype=torch.float32, device=x.device)
+    q, s = group_quant_empty(M, K, group, x.device)
     if M == 0 or K == 0:
         return q, s
     per_prog = max(1, min(next_pow2(num_groups), 4096 // group))
     grid = (M, triton.cdiv(num_groups, per_prog))
-    _group_quant_kernel[grid](x, q, s, num_groups, x.stride(0), q.stride(0), s.stride(0), GROUP=group,
+    _group_quant_kernel[grid](x, q, s, num_groups, x.stride(0), q.stride(0), s.stride(0), s.stride(1), GROUP=group,
                               GROUPS_PER_PROG=per_prog, num_warps=4)
     return q, s

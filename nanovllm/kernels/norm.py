@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels._common import check_float, check_last_contiguous, check_same_device, next_pow2
-from nanovllm.kernels.fp8_quant import check_group, fp8_quantize, fp8_quantize_groups, fp8_scale
+from nanovllm.kernels.fp8_quant import check_group, fp8_quantize, fp8_quantize_groups, fp8_scale, group_quant_empty
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -27,7 +27,7 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
 @triton.jit
 def _rms_norm_kernel(
     X, R, W, Y, S, YS, N, eps,
-    stride_x, stride_r, stride_y, stride_s, stride_ys,
+    stride_x, stride_r, stride_y, stride_s, stride_ys, stride_ysg,
     HAS_RES: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr, Y_DTYPE: tl.constexpr, FP8_OUT: tl.constexpr,
     QGROUP: tl.constexpr,
 ):
@@ -57,7 +57,7 @@ def _rms_norm_kernel(
         q, ys = fp8_quantize_groups(y.to(tl.float32), BLOCK, QGROUP)
         tl.store(Y + row * stride_y + offs, q, mask=mask)
         gs = tl.arange(0, BLOCK // QGROUP)
-        tl.store(YS + row * stride_ys + gs, ys, mask=gs < N // QGROUP)
+        tl.store(YS + row * stride_ys + gs * stride_ysg, ys, mask=gs < N // QGROUP)
     else:
         tl.store(Y + row * stride_y + offs, y, mask=mask)
 
@@ -133,8 +133,9 @@ def _launch(x, residual, weight, eps, out, residual_out, rows_per_token=1, fp8_o
     if fp8_out:  # (M, N) e4m3 rows and their (M, 1) or (M, N // group) scales
         if group is not None:
             check_group("rms_norm_fp8", group, N)
-        out = (torch.empty((M, N), dtype=torch.float8_e4m3fn, device=x.device),
-               torch.empty((M, 1 if group is None else N // group), dtype=torch.float32, device=x.device))
+        out = ((torch.empty((M, N), dtype=torch.float8_e4m3fn, device=x.device),
+                torch.empty((M, 1), dtype=torch.float32, device=x.device)) if group is None else
+               group_quant_empty(M, N, group, x.device))
         y2, ys = out
     else:
         if out is None:
@@ -147,7 +148,7 @@ def _launch(x, residual, weight, eps, out, residual_out, rows_per_token=1, fp8_o
     BLOCK = next_pow2(N)
     _rms_norm_kernel[(M,)](
         x2, r2, weight, y2, s2, ys, N, float(eps),
-        x2.stride(0), r2.stride(0), y2.stride(0), s2.stride(0), ys.stride(0),
+        x2.stride(0), r2.stride(0), y2.stride(0), s2.stride(0), ys.stride(0), ys.stride(-1),
         HAS_RES=residual is not None, GROUP=rows_per_token, BLOCK=BLOCK, Y_DTYPE=_TL_DTYPES[y_dtype],
         FP8_OUT=fp8_out, QGROUP=group or 0, num_warps=_fp8_num_warps(BLOCK) if fp8_out else _num_warps(BLOCK),
     )

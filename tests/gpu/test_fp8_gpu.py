@@ -17,7 +17,8 @@ from nanovllm.distributed.group import TPGroup
 from nanovllm.layers.fused_qkv_ref import qkv_norm_rope_store_ref
 from nanovllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from nanovllm.layers.quantization import fp8_ref
-from nanovllm.layers.quantization.fp8 import Fp8LinearMethod
+from nanovllm.layers.quantization.fp8 import Fp8BlockLinearMethod, Fp8LinearMethod
+from nanovllm.layers.quantization.fp8_rows import Fp8Rows
 from nanovllm.layers.rotary import RotaryEmbedding
 from tests.gpu.engines import ARCH, COMMON, MIXED_ENGINE, free_gpu, generate, mixed_workload, same_sequences
 from tests.gpu.test_kernels_full_size import BATCH, BLOCK, DEV, HIDDEN, HKV, INTER, D, H, check, paged_cache, poisoned
@@ -98,6 +99,35 @@ def test_block_fp8_gemm(M, N, K):
     out = kernels.w8a8_gemm(xq, xs, wq, ws, torch.bfloat16, block=(128, 128), out=poisoned(M, N, dtype=torch.bfloat16))
     check(f"block-FP8 GEMM {M}x{N}x{K}", out, fp8_ref.fp8_linear_block_ref(xq, xs, wq, ws, (128, 128), torch.float32),
           torch.bfloat16)
+
+
+@pytest.mark.parametrize("N,K", PROJECTIONS)
+@pytest.mark.parametrize("M", [1, 3, 250, 256, 4096])
+def test_block_fp8_linear_scaled_mm(M, N, K):
+    """Fp8BlockLinearMethod on CUDA: torch._scaled_mm's block-wise scaling (rows padded to a multiple of 4 by the
+    quantizers) against the dequantized reference, from the quantizer, from the quantizing norm (Fp8Rows) and from
+    rows laid out row-major (copied into the padded layout), into a given output and not."""
+    with torch.device(DEV):
+        layer = ColumnParallelLinear(K, N, False, TPGroup(), Fp8BlockLinearMethod((128, 128), use_kernels=True))
+    wq, ws = fp8_ref.quantize_blocks(torch.randn(N, K, device=DEV) * 0.02, (128, 128))
+    layer.weight.data.copy_(wq)
+    layer.weight_scale_inv.data.copy_(ws)
+    layer.method.process_weights_after_loading(layer)
+    assert layer.fp8_block_scaled_mm
+    x = torch.randn(M, K, device=DEV).bfloat16()
+    xq, xs = fp8_ref.quantize_groups(x, 128)
+    ref = fp8_ref.fp8_linear_block_ref(xq, xs, wq, ws, (128, 128), torch.float32)
+    normed = kernels.rms_norm_fp8(x, torch.ones(K, device=DEV, dtype=torch.bfloat16), 1e-6, group=128)
+    inputs = {"bf16 rows": x, "row-major e4m3 rows": Fp8Rows(xq, xs.contiguous(), torch.bfloat16, 128),
+              "norm's e4m3 rows": Fp8Rows(*normed, torch.bfloat16, 128)}
+    for what, inp in inputs.items():
+        want = ref if what != "norm's e4m3 rows" else fp8_ref.fp8_linear_block_ref(
+            *normed, wq, ws, (128, 128), torch.float32)
+        out = poisoned(M, N, dtype=torch.bfloat16)
+        y = layer.method.apply(layer, inp, None, out)
+        assert y.data_ptr() == out.data_ptr()
+        check(f"block-wise _scaled_mm {M}x{N}x{K}, {what}, into out", y, want, torch.bfloat16)
+        check(f"block-wise _scaled_mm {M}x{N}x{K}, {what}", layer.method.apply(layer, inp, None), want, torch.bfloat16)
 
 
 @pytest.mark.parametrize("N,K", PROJECTIONS)
@@ -254,12 +284,15 @@ def _full_logits(llm, ids: list[int]) -> torch.Tensor:
     return logits.log_softmax(-1)
 
 
-def test_fp8_accuracy_on_trained_model(trained_ckpt, capsys):
+def test_fp8_accuracy_on_trained_model(trained_ckpt, capsys, tmp_path):
     """Teacher-forced on bf16's greedy continuations of 64 copy prompts (32 tokens each): how often an FP8 engine
-    picks bf16's next token, and the mean KL(bf16 || FP8) of the next-token distributions over those positions.
-    bf16 itself in graphs vs eager (the noise floor: a different GEMM plan and attention split) is printed too.
-    Bounds: >= 99% agreement, mean KL < 0.02 nats (the model predicts by margins of several logits)."""
+    picks bf16's next token, and the mean KL(bf16 || FP8) of the next-token distributions over those positions:
+    online FP8 weights, FP8 KV, both, and the model written as a block-FP8 checkpoint (128 x 128 tiles, run
+    through torch._scaled_mm's block-wise scaling). Bounds: >= 99% agreement, mean KL < 0.02 nats (the model
+    predicts by margins of several logits)."""
     import train_tiny  # (benchmarks/, on the path through tests/gpu/conftest.py)
+
+    from tests.fp8_helpers import write_block_fp8_checkpoint
 
     prompts = train_tiny.copy_prompts(64, seed=0, max_len=600)
     engine = dict(dtype="bfloat16", kvcache_block_size=16, max_num_seqs=128, **COMMON)
@@ -270,9 +303,16 @@ def test_fp8_accuracy_on_trained_model(trained_ckpt, capsys):
         base = [_full_logits(llm, s)[len(p) - 1:-1] for s, p in zip(seqs, prompts)]  # rows predicting conts
     free_gpu()
     results = {}
-    for name, kw in (("FP8 weights", dict(quantization="fp8")), ("FP8 KV", dict(kv_cache_dtype="fp8")),
-                     ("FP8 weights + KV", dict(quantization="fp8", kv_cache_dtype="fp8"))):
-        with LLM(trained_ckpt, **engine, **kw) as llm:
+    block_ckpt = write_block_fp8_checkpoint(trained_ckpt, str(tmp_path / "block-fp8"))
+    for name, path, kw in (("FP8 weights", trained_ckpt, dict(quantization="fp8")),
+                           ("FP8 KV", trained_ckpt, dict(kv_cache_dtype="fp8")),
+                           ("FP8 weights + KV", trained_ckpt, dict(quantization="fp8", kv_cache_dtype="fp8")),
+                           ("block-FP8 checkpoint", block_ckpt, {})):
+        with LLM(path, **engine, **kw) as llm:
+            if path == block_ckpt:
+                flags = [m.fp8_block_scaled_mm for m in llm.engine.runner.model.modules()
+                         if hasattr(m, "weight_scale_inv")]
+                assert flags and all(flags), flags  # every projection on the block-wise _scaled_mm
             logp = [_full_logits(llm, s)[len(p) - 1:-1] for s, p in zip(seqs, prompts)]
         free_gpu()
         p, q = torch.cat(base), torch.cat(logp)

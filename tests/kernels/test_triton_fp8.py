@@ -12,7 +12,12 @@ from nanovllm.attention.torch_ref import paged_attention_ref, quantize_kv_ref, s
 from nanovllm.kernels.activation import silu_and_mul, silu_and_mul_fp8
 from nanovllm.kernels.decode_attention import paged_decode_attention
 from nanovllm.kernels.fp8_gemm import Fp8GemmConfig, w8a8_gemm
-from nanovllm.kernels.fp8_quant import per_token_group_quant_fp8, per_token_quant_fp8
+from nanovllm.kernels.fp8_quant import (
+    group_quant_empty,
+    padded_group_rows,
+    per_token_group_quant_fp8,
+    per_token_quant_fp8,
+)
 from nanovllm.kernels.fused_qkv import qkv_norm_rope_store
 from nanovllm.kernels.kvcache import store_kvcache
 from nanovllm.kernels.norm import add_rms_norm, add_rms_norm_fp8, rms_norm, rms_norm_fp8
@@ -69,10 +74,31 @@ def test_per_token_group_quant(device, dtype, M, K, group):
     x = (torch.randn(M, K, generator=g) * 10.0 ** torch.empty(M, K // group).uniform_(-3, 3, generator=g)
          .repeat_interleave(group, 1)).to(dtype).to(device)
     q, s = per_token_group_quant_fp8(x, group)
+    _check_group_layout(q, s)
     q_ref, s_ref = fp8_ref.quantize_groups(x, group)
     assert _bits_equal(q, q_ref) and torch.equal(s, s_ref)
     with pytest.raises(ValueError, match="group size"):
         per_token_group_quant_fp8(x, 48)
+
+
+def _check_group_layout(q: torch.Tensor, s: torch.Tensor) -> None:
+    """Per-token-and-group rows laid out for torch._scaled_mm's block-wise scaling: q the first M rows of a buffer
+    padded to a multiple of 4 rows, s column-major over the padded rows (`padded_group_rows` finds both)."""
+    M, K = q.shape
+    m_pad = -(-M // 4) * 4
+    padded = padded_group_rows(q, s)
+    assert padded is not None and s.stride() == (1, m_pad)
+    qp, sp = padded
+    assert qp.shape == (m_pad, K) and sp.shape == (m_pad, s.shape[1]) and torch.equal(sp[:M], s)
+    assert qp.data_ptr() == q.data_ptr() and _bits_equal(qp[:M], q)
+
+
+def test_padded_group_rows_refuses_other_layouts():
+    q, s = group_quant_empty(5, 256, 128, "cpu")
+    assert padded_group_rows(q, s)[0].shape == (8, 256)
+    assert padded_group_rows(q.contiguous(), s.contiguous()) is None      # a copy: no padding rows, row-major
+    assert padded_group_rows(q[1:], s[1:]) is None                        # a view past the buffer's start
+    assert padded_group_rows(torch.zeros(8, 256, dtype=FP8), torch.zeros(8, 2).t().contiguous().t()) is not None
 
 
 def _check_quantized(qs, unfused: torch.Tensor, ref: torch.Tensor, group: int | None = None) -> None:
@@ -87,6 +113,7 @@ def _check_quantized(qs, unfused: torch.Tensor, ref: torch.Tensor, group: int | 
         q_un, s_un = per_token_quant_fp8(unfused)
     else:
         q_un, s_un = per_token_group_quant_fp8(unfused, group)
+        _check_group_layout(q, s)
     assert _bits_equal(q, q_un) and torch.equal(s, s_un)
     g = K if group is None else group
     ref = ref.float().view(M, K // g, g)
@@ -170,6 +197,7 @@ def test_w8a8_gemm_blockwise(device, dtype, M, N, K, block):
     out = w8a8_gemm(xq, xs, wq, ws, dtype, block=block)
     ref = fp8_ref.fp8_linear_block_ref(xq, xs, wq, ws, block, dtype)
     torch.testing.assert_close(out, ref, **GEMM_TOL[dtype])
+    assert xs.stride(0) == 1 and torch.equal(w8a8_gemm(xq, xs.contiguous(), wq, ws, dtype, block=block), out)
     # what FP8 costs against the unquantized product: a few percent of its magnitude
     exact = x.float() @ w.to(device).t()
     assert (out.float() - exact).abs().max() < 0.08 * exact.abs().max()

@@ -2,8 +2,10 @@
 
 Both quantize the activations on the fly (no calibration): per token for the online method, per token and
 ``bk`` columns for the block method. With ``use_kernels`` they run the Triton quantizers and, on CUDA,
-``torch._scaled_mm`` with row-wise scales (online) or the Triton block GEMM (checkpoint); otherwise the torch
-references of ``fp8_ref`` (quantize, dequantize, multiply in float32): the same math, which the CPU tests run.
+``torch._scaled_mm``: with row-wise scales (online), or with 1 x 128 activation and 128 x 128 weight scales
+(checkpoint; cuBLASLt's block-wise scaling, where this torch and GPU run it, else the Triton block GEMM);
+otherwise the torch references of ``fp8_ref`` (quantize, dequantize, multiply in float32): the same math, which the
+CPU tests run.
 """
 from __future__ import annotations
 
@@ -75,16 +77,54 @@ class Fp8LinearMethod:
         return y if bias is None else y.add_(bias)
 
 
+def _block_scaled_mm_runs(device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` takes 1 x 128 activation and 128 x 128 weight scales here (cuBLASLt's block-wise
+    scaling: CUDA >= 12.9 on Hopper; other torch builds and GPUs refuse it): one small product tried."""
+    q = torch.zeros((4, 256), dtype=FP8_DTYPE, device=device)
+    try:
+        torch._scaled_mm(q, torch.zeros((256, 256), dtype=FP8_DTYPE, device=device).t(),
+                         scale_a=torch.ones((2, 4), dtype=torch.float32, device=device).t(),
+                         scale_b=torch.ones((2, 2), dtype=torch.float32, device=device).t(), out_dtype=torch.bfloat16)
+    except (RuntimeError, ValueError, NotImplementedError):
+        return False
+    return True
+
+
+def _block_scaled_mm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, group: int,
+                     out_dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
+    """(xq * xs) @ (w * ws).T through ``torch._scaled_mm`` with block-wise scales: xq (M, K) e4m3 and xs (M, K /
+    128) as the group quantizers lay them out (rows padded to a multiple of 4, scales column-major: what cuBLASLt
+    takes; rows laid out otherwise are copied so), w (N, K) e4m3 with ws (N / 128, K / 128)."""
+    from nanovllm.kernels.fp8_quant import group_quant_empty, padded_group_rows
+    M, K = xq.shape
+    if M == 0:
+        return _into(torch.empty((0, w.shape[0]), dtype=out_dtype, device=xq.device), out)
+    padded = padded_group_rows(xq, xs)
+    if padded is None:
+        q, s = group_quant_empty(M, K, group, xq.device)
+        q.copy_(xq)
+        s.copy_(xs)
+        padded = padded_group_rows(q, s)
+    qp, sp = padded
+    if qp.shape[0] == M and out is not None:
+        return torch._scaled_mm(qp, w.t(), scale_a=sp, scale_b=ws.t(), out_dtype=out_dtype, out=out)
+    y = torch._scaled_mm(qp, w.t(), scale_a=sp, scale_b=ws.t(), out_dtype=out_dtype)
+    return _into(y[:M], out)  # (the padding rows' products are dropped)
+
+
 class Fp8BlockLinearMethod:
     """A block-FP8 checkpoint's layer: ``weight`` (N, K) e4m3 and ``weight_scale_inv`` (ceil(N / bn), ceil(K / bk))
     float32, the dequantization multiplier of each bn x bk tile (the Hub's name, despite the "inv"). Both load
     through the layer's sharding: a fused or tensor-parallel layer's scales shard with its rows / columns, which
-    must then fall on whole tiles."""
+    must then fall on whole tiles. On CUDA its products run through ``torch._scaled_mm``'s block-wise scaling
+    (1.8-1.9x the Triton block GEMM at Qwen3-8B's sizes on an H200: RESULTS.md) where this torch and GPU take it,
+    for bf16 models with 128 x 128 tiles and whole tiles; otherwise through the Triton GEMM."""
 
     def __init__(self, block: tuple[int, int], use_kernels: bool):
         self.block = tuple(block)
         self.use_kernels = use_kernels
         self.fp8_rows = Fp8RowsSpec(self.block[1]) if use_kernels else None
+        self._block_mm_runs: dict[torch.device, bool] = {}   # per device: _block_scaled_mm_runs
 
     def create_weights(self, layer, in_features, out_features):
         bn, bk = self.block
@@ -100,7 +140,12 @@ class Fp8BlockLinearMethod:
         layer.weight_scale_inv.dummy_init = _dummy_scale
 
     def process_weights_after_loading(self, layer):
-        pass
+        w = layer.weight
+        layer.fp8_block_scaled_mm = False
+        if self.use_kernels and w.is_cuda and self.block == (128, 128) and w.shape[0] % 128 == 0:
+            if w.device not in self._block_mm_runs:
+                self._block_mm_runs[w.device] = _block_scaled_mm_runs(w.device)
+            layer.fp8_block_scaled_mm = self._block_mm_runs[w.device]
 
     def apply(self, layer, x, bias, out=None):
         w, ws, bk = layer.weight, layer.weight_scale_inv, self.block[1]
@@ -110,7 +155,10 @@ class Fp8BlockLinearMethod:
             return _into(fp8_ref.fp8_linear_block_ref(xq, xs, w, ws, self.block, x.dtype, bias), out)
         from nanovllm import kernels
         xq, xs = (x.q, x.scale) if isinstance(x, Fp8Rows) else kernels.per_token_group_quant_fp8(x, bk)
-        return kernels.w8a8_gemm(xq, xs, w, ws, x.dtype, block=self.block, bias=bias, out=out)
+        if not (layer.fp8_block_scaled_mm and x.dtype == torch.bfloat16):
+            return kernels.w8a8_gemm(xq, xs, w, ws, x.dtype, block=self.block, bias=bias, out=out)
+        y = _block_scaled_mm(xq, xs, w, ws, bk, x.dtype, out)
+        return y if bias is None else y.add_(bias)
 
 
 class Fp8MoEMethod(UnquantizedMoEMethod):
