@@ -12,7 +12,8 @@
 #              Needs fastapi and uvicorn: carry their wheels (.whl) and start the device command with the wheel
 #              install from the device README (pip install --target /tmp/site ... && export PYTHONPATH=/tmp/site)
 #   moe30b     ... on Qwen3-30B-A3B (MoE), one GPU; moe30b_fp8: the same with --quantization fp8 (FP8 experts)
-#   fp8        ... on Qwen3-8B with FP8 weights, then FP8 weights + FP8 KV cache
+#   fp8        ... on Qwen3-8B with FP8 weights, then FP8 weights + FP8 KV cache, then in the block-FP8 checkpoint
+#              layout (benchmarks/models/qwen3-8b-fp8)
 #   spec       speculative decoding: trains the copy model (benchmarks/train_tiny.py, once per machine), then its
 #              copy workload with and without SPEC_CONFIG (default n-gram, SPEC_K=12 drafts) at SPEC_BATCHES
 #              (default 1 16 256) concurrent requests; and the reference workload without and with it on
@@ -103,7 +104,8 @@ for s in $steps; do
     moe30b_fp8) bench moe30b_fp8 300 benchmarks/models/qwen3-30b-a3b --quantization fp8 ;;
     fp8)
       bench fp8 300 benchmarks/models/qwen3-8b --quantization fp8
-      bench fp8kv 300 benchmarks/models/qwen3-8b --quantization fp8 --kv-cache-dtype fp8 ;;
+      bench fp8kv 300 benchmarks/models/qwen3-8b --quantization fp8 --kv-cache-dtype fp8
+      bench fp8block 300 benchmarks/models/qwen3-8b-fp8 ;;
     spec)
       copy=${COPY_MODEL:-/tmp/copy-model}
       [ -f "$copy/config.json" ] || run train_copy 200 python3 benchmarks/train_tiny.py "$copy"
