@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from functools import partial
 
 import torch
 
@@ -55,16 +56,17 @@ def reference_model(path: str, weights: str | tuple[int, int] | None = None, kv:
     ``skip``: modules left unquantized. ``tp``: online FP8 under tensor parallelism, where each rank of a
     row-parallel layer (o_proj, down_proj) quantizes its own slice of the input features (weights and activations
     per row *and* rank). A mixture of experts' stacked experts (``gate_up_proj`` (E, 2I, H), ``down_proj`` (E, H,
-    I)) are quantized weights only, per expert and row (online) or tile (block), as ``Fp8MoEMethod`` /
-    ``Fp8BlockMoEMethod`` store them."""
+    I)) are quantized per expert and row (online) or tile (block), as ``Fp8MoEMethod`` / ``Fp8BlockMoEMethod``
+    store them, and their input per token (online) or per token and bk columns (block), as the gate/up kernel
+    quantizes it; the down projections' input stays unquantized."""
     from transformers import AutoModelForCausalLM
     kw = {"attn_implementation": _register_kv_attention()} if kv else {}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).eval()
     if weights is None:
         return model
     for m in model.modules():
-        # FP8 experts, weight-only (the activations stay unquantized): online, each expert's rows quantized per
-        # output row (w2's per rank's slice of I under TP); block-FP8, each expert's projections per tile
+        # FP8 experts: online, each expert's rows quantized per output row (w2's per rank's slice of I under TP);
+        # block-FP8, each expert's projections per tile; the tokens entering them per token (and bk columns)
         if type(m).__name__.endswith("Experts"):
             with torch.no_grad():
                 for p in (m.gate_up_proj, m.down_proj):
@@ -72,6 +74,7 @@ def reference_model(path: str, weights: str | tuple[int, int] | None = None, kv:
                         p.copy_(_fake_quant_parts(p, tp if p is m.down_proj else 1))
                     else:
                         p.copy_(torch.stack([fake_quant_blocks(w, weights) for w in p]))
+            m.register_forward_pre_hook(partial(_fake_quant_expert_input, weights=weights), with_kwargs=True)
     for name, m in model.named_modules():
         if not isinstance(m, torch.nn.Linear) or name.rsplit(".", 1)[-1] not in PROJECTIONS or name in skip:
             continue
@@ -84,6 +87,14 @@ def reference_model(path: str, weights: str | tuple[int, int] | None = None, kv:
                 m.weight.copy_(fake_quant_blocks(m.weight, weights))
                 m.register_forward_pre_hook(lambda mod, args, g=weights[1]: (fake_quant_groups(args[0], g),))
     return model
+
+
+def _fake_quant_expert_input(module, args, kwargs, weights):
+    """A forward pre-hook of an experts module: its hidden states (the first argument) fake-quantized."""
+    quant = fake_quant_rows if weights == "rows" else partial(fake_quant_groups, group=weights[1])
+    if args:
+        return (quant(args[0]), *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": quant(kwargs["hidden_states"])}
 
 
 def _fake_quant_parts(x: torch.Tensor, parts: int) -> torch.Tensor:

@@ -4,7 +4,8 @@ one function per step below).
 
     moe_route_align  (T, E) logits -> top-k weights (T, k) float32, expert ids (T, k), and the pairs sorted by
                      expert in blocks of BLOCK_M rows (MoELayout)
-    moe_gate_up      per block: x rows of its pairs @ w13[e].T -> silu(gate) * up, (rows, I) in x's dtype
+    moe_gate_up      per block: x rows of its pairs @ w13[e].T -> silu(gate) * up, (rows, I) in x's dtype (e4m3
+                     experts: x quantized per token first, FP8 tensor-core products)
     moe_down         per block: those rows @ w2[e].T * the pair's routing weight -> row t * k + j of (T * k, H)
     moe_combine      out[t] = sum over j in order 0 .. k-1 of row t * k + j, in float32 (deterministic: no
                      atomics); skipped with combine=False, when the add + RMSNorm that follows sums the rows
@@ -38,8 +39,8 @@ FP8 = torch.float8_e4m3fn
 
 
 @triton.jit(do_not_specialize=["n_blocks"])
-def _gate_up_kernel(X, W, WS, SORTED, BLOCK_EXPERT, BLOCK_ROWS, OUT, n_blocks, N, K,
-                    stride_x, stride_we, stride_wn, stride_o,
+def _gate_up_kernel(X, XS, W, WS, SORTED, BLOCK_EXPERT, BLOCK_ROWS, OUT, n_blocks, N, K,
+                    stride_x, stride_xsm, stride_xsg, stride_we, stride_wn, stride_o,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
                     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr):
@@ -75,23 +76,24 @@ def _gate_up_kernel(X, W, WS, SORTED, BLOCK_EXPERT, BLOCK_ROWS, OUT, n_blocks, N
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             g = tl.load(g_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
             u = tl.load(u_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-        if UPCAST or FP8:  # e4m3 weights: converted exactly, scaled after the loop
-            g, u = g.to(a.dtype), u.to(a.dtype)
-        if SCALE_BK > 0:  # (BLOCK_K divides SCALE_BK: one scale per output in this k-tile)
-            acc_g += tl.dot(a, g, input_precision=PRECISION) * tl.load(sg_ptrs + k0 // SCALE_BK, mask=n_ok)[None, :]
-            acc_u += tl.dot(a, u, input_precision=PRECISION) * tl.load(su_ptrs + k0 // SCALE_BK, mask=n_ok)[None, :]
+        if UPCAST and not FP8:
+            a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+        if SCALE_BK > 0:  # (BLOCK_K divides SCALE_BK: one weight scale per output and one activation scale per
+            #              row in this k-tile)
+            xs = tl.load(XS + tok * stride_xsm + (k0 // SCALE_BK) * stride_xsg, mask=row_ok, other=0.0)[:, None]
+            acc_g += tl.dot(a, g) * (tl.load(sg_ptrs + k0 // SCALE_BK, mask=n_ok)[None, :] * xs)
+            acc_u += tl.dot(a, u) * (tl.load(su_ptrs + k0 // SCALE_BK, mask=n_ok)[None, :] * xs)
         else:
             acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
             acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    if FP8 and SCALE_BK == 0:  # WS (E, 2N) float32: each expert's per-row scales, [gate | up]
+    if FP8 and SCALE_BK == 0:  # WS (E, 2N) float32: each expert's per-row scales, [gate | up]; XS (T, 1)
         ws = WS + e.to(tl.int64) * 2 * N + offs_n
-        acc_g = acc_g * tl.load(ws, mask=n_ok, other=0.0)[None, :]
-        acc_u = acc_u * tl.load(ws + N, mask=n_ok, other=0.0)[None, :]
+        xs = tl.load(XS + tok * stride_xsm, mask=row_ok, other=0.0)[:, None]
+        acc_g = acc_g * tl.load(ws, mask=n_ok, other=0.0)[None, :] * xs
+        acc_u = acc_u * tl.load(ws + N, mask=n_ok, other=0.0)[None, :] * xs
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     tl.store(OUT + rows[:, None] * stride_o + offs_n[None, :], h.to(OUT.dtype.element_ty),
              mask=row_ok[:, None] & n_ok[None, :])
@@ -191,16 +193,18 @@ def _check_operands(fn: str, a: torch.Tensor, w: torch.Tensor, w_scale: torch.Te
     _rows_contiguous(f"{fn}: weights", w)
 
 
-def _tile_args(tile: GemmTile, n: int, K: int, dtype: torch.dtype, w_scale, block) -> dict:
-    """The launch arguments of a grouped GEMM: the tile fitted to (n, K) (block-scaled: k-tiles within a weight
-    tile), the dtype flags and the weights' scaling (FP8: e4m3; SCALE_BN / SCALE_BK: the tile, 0 per row)."""
+def _tile_args(tile: GemmTile, n: int, K: int, dtype: torch.dtype, w_scale, block, itemsize: int | None = None
+               ) -> dict:
+    """The launch arguments of a grouped GEMM: the tile fitted to (n, K) and to operands of `itemsize` bytes
+    (default dtype's; block-scaled: k-tiles within a weight tile), the dtype flags and the weights' scaling (FP8:
+    e4m3; SCALE_BN / SCALE_BK: the tile, 0 per row)."""
+    tile = tile.fit(n, K, itemsize or torch.empty(0, dtype=dtype).element_size())
     if block is not None:
         tile = GemmTile(tile.block_n, min(tile.block_k, block[1]), tile.num_warps, tile.num_stages)
-    tile = tile.fit(n, K, torch.empty(0, dtype=dtype).element_size())
     bn, bk = block if block is not None else (0, 0)
     return dict(BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=K % tile.block_k == 0, UPCAST=upcast_dots(dtype),
-                PRECISION=dot_precision(dtype), FP8=w_scale is not None, SCALE_BN=bn, SCALE_BK=bk,
-                num_warps=tile.num_warps, num_stages=tile.num_stages)
+                PRECISION=None if itemsize == 1 else dot_precision(dtype), FP8=w_scale is not None, SCALE_BN=bn,
+                SCALE_BK=bk, num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
 def moe_gate_up(x: torch.Tensor, w13: torch.Tensor, layout: MoELayout, top_k: int, tile: GemmTile,
@@ -208,22 +212,33 @@ def moe_gate_up(x: torch.Tensor, w13: torch.Tensor, layout: MoELayout, top_k: in
     """(rows, I) silu(gate) * up of each layout row's token and expert (``gate_up_ref``; padding rows unwritten).
     x (T, H) with contiguous rows; w13 (E, 2I, H) contiguous, [gate | up] per expert, in x's dtype or e4m3 with
     w13_scale float32: (E, 2I), one scale per expert and row, or with `block` (bn, bk) (E, 2I / bn, H / bk), one
-    per tile (a block-FP8 checkpoint's; I a multiple of bn)."""
+    per tile (a block-FP8 checkpoint's; I a multiple of bn). With e4m3 experts x is quantized first, per token
+    (per row scales) or per token and bk columns (`block`), and the products run on FP8 tensor cores (W8A8: the
+    weights' bytes stream at bf16's rate, where converting e4m3 tiles to bf16 in the loop did not: RESULTS.md);
+    the tiles then take twice the k-width of the table's bf16 tile (the same bytes)."""
     _check_operands("moe_gate_up", x, w13, w13_scale, block)
     E, two_i, H = w13.shape
     inter = two_i // 2
     if block is not None and inter % block[0]:
         raise ValueError(f"moe_gate_up: the gate and up projections ({inter} rows each) must be whole "
                          f"{block[0]}-row tiles")
-    args = _tile_args(tile, inter, H, x.dtype, w13_scale, block)
+    if block is not None and H % block[1]:
+        raise ValueError(f"moe_gate_up: the hidden size {H} must be whole {block[1]}-column tiles (x is quantized "
+                         f"per token and {block[1]} columns)")
     nb = layout.block_expert.numel()
     out = torch.empty(nb * layout.block_m, inter, dtype=x.dtype, device=x.device)
+    if w13_scale is None:
+        xq, xs, args = x, x, _tile_args(tile, inter, H, x.dtype, None, block)
+    else:
+        from nanovllm.kernels.fp8_quant import per_token_group_quant_fp8, per_token_quant_fp8
+        xq, xs = per_token_quant_fp8(x) if block is None else per_token_group_quant_fp8(x, block[1])
+        args = _tile_args(tile, inter, H, x.dtype, w13_scale, block, itemsize=1)
     if nb:
         grid = (nb * triton.cdiv(inter, args["BLOCK_N"]),)
-        _gate_up_kernel[grid](x, w13, w13 if w13_scale is None else w13_scale, layout.sorted_ids,
+        _gate_up_kernel[grid](xq, xs, w13, w13 if w13_scale is None else w13_scale, layout.sorted_ids,
                               layout.block_expert, layout.block_rows, out, nb, inter, H,
-                              x.stride(0), w13.stride(0), w13.stride(1), out.stride(0), TOP_K=top_k,
-                              BLOCK_M=layout.block_m, **args)
+                              xq.stride(0), xs.stride(0), xs.stride(-1), w13.stride(0), w13.stride(1), out.stride(0),
+                              TOP_K=top_k, BLOCK_M=layout.block_m, **args)
     return out
 
 

@@ -31,11 +31,12 @@ class GemmTile:
         check_tiling(self, ("block_n", "block_k"))
 
     def fit(self, n: int, k: int, itemsize: int = 2) -> GemmTile:
-        """This tile shrunk to an (n outputs, k reduction) problem smaller than it (tiny test models), and for
-        4-byte operands (float32) to half the k-tile: the shared memory of the 2-byte (bf16) tiles the table
-        holds."""
-        bk = self.block_k // 2 if itemsize > 2 else self.block_k
-        return GemmTile(min(self.block_n, max(16, next_pow2(n))), max(16, min(bk, next_pow2(k))),
+        """This tile shrunk to an (n outputs, k reduction) problem smaller than it (tiny test models), with the
+        k-tile scaled to the bytes of the 2-byte (bf16) tiles the table holds: half for 4-byte operands (float32),
+        twice for 1-byte ones (e4m3 on both sides; at least 32 wide, what FP8 tensor-core dots take)."""
+        bk = self.block_k * 2 // itemsize
+        least = 32 if itemsize == 1 else 16
+        return GemmTile(min(self.block_n, max(16, next_pow2(n))), max(least, min(bk, next_pow2(k))),
                         self.num_warps, self.num_stages)
 
     def __str__(self) -> str:

@@ -20,7 +20,8 @@ they read the layout on the host (tests only).
 FP8 experts (``quantization="fp8"``): w13 / w2 in e4m3 with one float32 scale per expert and output row
 (``w13_scale`` (E, 2I), ``w2_scale`` (E, H)), or a block-FP8 checkpoint's one per (bn x bk) tile (``block``:
 (E, 2I / bn, H / bk) and (E, H / bn, I / bk)); every function here then multiplies by the dequantized weights
-(``dequantize_experts``), the activations staying in the model's dtype.
+(``dequantize_experts``). The gate/up products take x quantized as the kernels quantize it (``expert_input``:
+per token, or per token and bk columns); the down products take the SiLU-and-mul rows in the model's dtype.
 """
 from __future__ import annotations
 
@@ -101,16 +102,28 @@ def dequantize_experts(w: torch.Tensor, scale: torch.Tensor | None,
     return w.float() * s[..., :K]
 
 
+def expert_input(x: torch.Tensor, w13_scale: torch.Tensor | None, block: tuple[int, int] | None) -> torch.Tensor:
+    """x (T, H) as the gate/up products read it, float32: as is for experts in the model's dtype; for e4m3
+    experts quantized to e4m3 per token (per-row weight scales) or per token and block[1] columns, dequantized."""
+    from nanovllm.layers.quantization import fp8_ref
+    if w13_scale is None:
+        return x.float()
+    q, s = fp8_ref.quantize_rows(x) if block is None else fp8_ref.quantize_groups(x, block[1])
+    return fp8_ref.dequantize(q, s if block is None else s.repeat_interleave(block[1], 1))
+
+
 def gate_up_ref(x: torch.Tensor, w13: torch.Tensor, layout: MoELayout, top_k: int,
                 w13_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
     """The SiLU-and-mul of each layout row's expert: (rows, I) in x's dtype, padding rows 0.
-    x (T, H); w13 (E, 2I, H) laid out [gate | up] per expert (e4m3 with w13_scale, per row or `block`)."""
+    x (T, H); w13 (E, 2I, H) laid out [gate | up] per expert (e4m3 with w13_scale, per row or `block`: x then
+    quantized, ``expert_input``)."""
+    xf = expert_input(x, w13_scale, block)
     w13 = dequantize_experts(w13, w13_scale, block)
     inter = w13.shape[1] // 2
     out = torch.zeros(layout.sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
     rows = layout.row_mask().nonzero().flatten()
     experts = layout.block_expert.long().repeat_interleave(layout.block_m)[rows]
-    xt = x[(layout.sorted_ids.long()[rows] // top_k)].float()                       # (n, H)
+    xt = xf[(layout.sorted_ids.long()[rows] // top_k)]                              # (n, H)
     gu = torch.einsum("nh,nih->ni", xt, w13[experts])                               # (n, 2I)
     out[rows] = (F.silu(gu[:, :inter]) * gu[:, inter:]).to(x.dtype)
     return out
@@ -164,7 +177,7 @@ def fused_moe_ref(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tenso
     weights, ids = route_ref(router_logits, top_k, renormalize)
     T, H = x.shape
     inter = w13.shape[1] // 2
-    xf = x.float()
+    xf = expert_input(x, w13_scale, block)
     rows = torch.zeros(T, top_k, H, dtype=torch.float32, device=x.device)  # (token, j) weighted outputs
     for e in range(w13.shape[0]):
         gu = xf @ dequantize_experts(w13[e], None if w13_scale is None else w13_scale[e], block).t()  # (T, 2I)

@@ -185,14 +185,16 @@ def check_moe(dt: str) -> None:
     # checkpoint's: k-tiles of at most 128)
     for fp8, scale_block in ((False, 0), (True, 0), (True, 128)):
         w, ws = ("fp8e4nv", "fp32") if fp8 else (dt, dt)
-        ptrs = {**i32, "X": f"*{dt}", "W": f"*{w}", "WS": f"*{ws}", "OUT": f"*{dt}", "A": f"*{dt}", "TOPW": "*fp32"}
+        ptrs = {**i32, "X": f"*{w}" if fp8 else f"*{dt}", "XS": "*fp32" if fp8 else f"*{dt}", "W": f"*{w}",
+                "WS": f"*{ws}", "OUT": f"*{dt}", "A": f"*{dt}", "TOPW": "*fp32"}
         for cfg in dict.fromkeys(c for _, c in DEFAULT_BUCKETS):
-            for fn, tile in ((moe._gate_up_kernel, cfg.gate_up.fit(768, 2048, DTYPES[dt].itemsize)),
+            for fn, tile in ((moe._gate_up_kernel, cfg.gate_up.fit(768, 2048, 1 if fp8 else DTYPES[dt].itemsize)),
                              (moe._down_kernel, cfg.down.fit(2048, 768, DTYPES[dt].itemsize))):
                 if scale_block:
                     tile = tile.fit(tile.block_n, scale_block)
+                gate_up_fp8 = fp8 and fn is moe._gate_up_kernel  # (e4m3 on both sides: no precision flag)
                 consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=True,
-                              UPCAST=False, PRECISION="ieee" if dt == "fp32" else None, FP8=fp8,
+                              UPCAST=False, PRECISION="ieee" if dt == "fp32" and not gate_up_fp8 else None, FP8=fp8,
                               SCALE_BN=scale_block, SCALE_BK=scale_block)
                 if fn is moe._gate_up_kernel:
                     consts["TOP_K"] = 8

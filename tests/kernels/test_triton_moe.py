@@ -14,6 +14,7 @@ from nanovllm.layers.moe_ref import (
     combine_ref,
     dequantize_experts,
     down_ref,
+    expert_input,
     fused_moe_ref,
     gate_up_ref,
     max_blocks,
@@ -196,8 +197,9 @@ def _check_fp8_layer(x, logits, k, cfg, w13, s13, w2, s2, block, layer_tol=None)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cfg", CONFIGS[:2], ids=lambda c: f"m{c.block_m}")
 def test_fp8_experts_match_reference(device, dtype, cfg):
-    """e4m3 experts with per-row scales (weight-only FP8), step by step and the whole layer, against the
-    references multiplying by the dequantized weights; H=48: a reduction no multiple of the k-tile."""
+    """e4m3 experts with per-row scales (online FP8: x quantized per token for gate/up), step by step and the
+    whole layer, against the references multiplying by the dequantized weights; H=48: a reduction no multiple of
+    the k-tile."""
     T, E, k, H, inter = 29, 8, 2, 48, 32
     w13, s13, w2, s2 = _fp8_experts(E, H, inter, device)
     x = _rand(T, H, seed=1, dtype=dtype, device=device)
@@ -205,11 +207,11 @@ def test_fp8_experts_match_reference(device, dtype, cfg):
     ref = _check_fp8_layer(x, logits, k, cfg, w13, s13, w2, s2, None)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
     # the scales matter (the product without them is off by their size, ~1e-3 here); on the dequantized experts
-    # the reference is the unquantized layer
+    # and gate/up inputs the reference is the unquantized layer
     assert not torch.allclose(ref.float(), fused_moe_ref(x, logits, w13.to(dtype), w2.to(dtype), k, True).float(),
                               **tol)
-    deq = fused_moe_ref(x, logits, dequantize_experts(w13, s13).to(dtype), dequantize_experts(w2, s2).to(dtype),
-                        k, True)
+    deq = fused_moe_ref(expert_input(x, s13, None).to(dtype), logits, dequantize_experts(w13, s13).to(dtype),
+                        dequantize_experts(w2, s2).to(dtype), k, True)
     torch.testing.assert_close(ref.float(), deq.float(), **tol)
     assert fused_moe_compile(w13, w2, k, True, s13, s2, dtype) == len(set(c for _, c in DEFAULT_BUCKETS))
 
@@ -218,10 +220,11 @@ def test_fp8_experts_match_reference(device, dtype, cfg):
 @pytest.mark.parametrize("cfg", [CONFIGS[0], MoEConfig(16, GemmTile(32, 64), GemmTile(16, 16))],
                          ids=["k-tile = block", "k-tiles clamped / within a block"])
 def test_block_fp8_experts_match_reference(device, dtype, cfg):
-    """A block-FP8 checkpoint's experts (one scale per 32 x 32 tile; H=80: a partial last column of tiles):
-    each k-tile's products scaled by its tile's scale, against the reference on the dequantized experts."""
+    """A block-FP8 checkpoint's experts (one scale per 32 x 32 tile; H=96: 3 tiles, no power of two): each k-tile's
+    products scaled by its tile's scale and x's per-token scale of those columns, against the reference on the
+    dequantized experts."""
     from nanovllm.layers.quantization import fp8_ref
-    T, E, k, H, inter, block = 29, 8, 2, 80, 64, (32, 32)
+    T, E, k, H, inter, block = 29, 8, 2, 96, 64, (32, 32)
     qs = []
     for i, (n, kk) in enumerate(((2 * inter, H), (H, inter))):
         w = _rand(E, n, kk, seed=7 + i, scale=0.1) * torch.logspace(-0.5, 0.5, kk)   # tiles of other scales
@@ -243,6 +246,8 @@ def test_block_fp8_experts_match_reference(device, dtype, cfg):
     layout = align_ref(route_ref(logits, k, True)[1], E, cfg.block_m)
     with pytest.raises(ValueError, match="whole 32-row tiles"):
         moe_gate_up(x, w13[:, :96].contiguous(), layout, k, cfg.gate_up, s13[:, :3].contiguous(), block)
+    with pytest.raises(ValueError, match="hidden size 80 must be whole 32-column tiles"):
+        moe_gate_up(x[:, :80].contiguous(), w13[:, :, :80].contiguous(), layout, k, cfg.gate_up, s13, block)
     with pytest.raises(ValueError, match=r"scales must be contiguous float32 \(8, 4, 3\)"):
         moe_gate_up(x, w13, layout, k, cfg.gate_up, s13[:, :, :2].contiguous(), block)
     with pytest.raises(ValueError, match="describes FP8 experts' scales"):

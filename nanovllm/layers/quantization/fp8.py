@@ -162,10 +162,11 @@ class Fp8BlockLinearMethod:
 
 
 class Fp8MoEMethod(UnquantizedMoEMethod):
-    """Online FP8 experts (weight-only): the experts load in the model dtype (this rank's slices) and are
-    quantized once in place, e4m3 with one float32 scale per expert and output row (``w13_scale`` (E, 2I),
-    ``w2_scale`` (E, H)); the activations stay in the model dtype. A decode step's experts are bound by the
-    bytes of their weights (``docs/moe.md``), which this halves; the router stays in the model dtype."""
+    """Online FP8 experts: the experts load in the model dtype (this rank's slices) and are quantized once in
+    place, e4m3 with one float32 scale per expert and output row (``w13_scale`` (E, 2I), ``w2_scale`` (E, H)).
+    The gate/up products quantize their input per token and run on FP8 tensor cores; the down products take the
+    SiLU-and-mul rows in the model dtype (weight-only). A decode step's experts are bound by the bytes of their
+    weights (``docs/moe.md``), which this halves; the router stays in the model dtype."""
 
     block: tuple[int, int] | None = None   # per-row scales (Fp8BlockMoEMethod: a checkpoint's tiles)
 
@@ -188,8 +189,9 @@ class Fp8MoEMethod(UnquantizedMoEMethod):
 class Fp8BlockMoEMethod(Fp8MoEMethod):
     """A block-FP8 checkpoint's experts (Qwen3-30B-A3B-FP8): e4m3 ``w13`` (E, 2I, H) / ``w2`` (E, H, I) as stored
     and each projection's ``weight_scale_inv`` tiles stacked beside them, ``w13_scale`` (E, 2I / bn, H / bk)
-    ([gate | up] tiles) and ``w2_scale`` (E, H / bn, I / bk), float32. Weight-only, as ``Fp8MoEMethod``: the
-    grouped GEMMs scale each k-tile's products by their tile's scale. This rank's slice of I must fall on whole
+    ([gate | up] tiles) and ``w2_scale`` (E, H / bn, I / bk), float32. As ``Fp8MoEMethod``, with the gate/up
+    input quantized per token and bk columns: the grouped GEMMs scale each k-tile's products by their tile's
+    scale (and by the rows' activation scales). This rank's slice of I must fall on whole
     tiles (ValueError otherwise, naming the sizes)."""
 
     def __init__(self, block: tuple[int, int]):
@@ -204,6 +206,9 @@ class Fp8BlockMoEMethod(Fp8MoEMethod):
             raise ValueError(f"the experts' intermediate size per rank ({inter} = moe_intermediate_size / "
                              f"tensor_parallel_size {layer.tp.size}) is not a multiple of the checkpoint's "
                              f"weight_block_size {list(self.block)}: its tiles would be split between ranks")
+        if H % bk:
+            raise ValueError(f"the hidden size {H} is not a multiple of the checkpoint's weight_block_size {bk} "
+                             f"(the experts' input is quantized per token and {bk} columns)")
         shapes = {"w13": (2 * inter, H), "w2": (H, inter)}
         for name, shards in (("w13", ("gate", "up")), ("w2", ("down",))):
             n, k = shapes[name]
