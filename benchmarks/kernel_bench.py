@@ -41,7 +41,8 @@ decode graphs do. The winner is checked against the torch reference (``fused_moe
 current table's config. Prints per M: microseconds, achieved TB/s (the experts touched + activations) and
 TFLOP/s, the current table's time, and at the end the measured table as an entry of ``MOE_CONFIGS`` in
 ``nanovllm/kernels/moe_configs.py``, to paste there. --fp8: the experts in e4m3 with per-row scales, as
-``quantization="fp8"`` stores them (weight-only; bytes and TB/s count one byte per weight).
+``quantization="fp8"`` stores them (gate/up on e4m3 activations, down weight-only; bytes and TB/s count one byte
+per weight).
 
 fp8act: the activation quantization of the FP8 linear layers at a model's hidden and intermediate sizes (its
 config.json), bf16 rows: the add + RMSNorm and the SiLU-and-mul followed by the quantizer (``per_token_quant_fp8``

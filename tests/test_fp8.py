@@ -223,8 +223,9 @@ def test_fp8_under_triton_interpreter_norms_quantize_rows(scheme, tiny_ckpt, blo
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])  # qwen2_moe: a shared expert (an FP8 linear MLP)
 def test_fp8_experts_match_fake_quant_reference(arch, tiny_ckpt, refs):
     """quantization="fp8" on a mixture of experts: the experts stored e4m3 with per-(expert, row) scales, the
-    router in the model dtype; the tokens of transformers with the same fake quantization (experts weight-only,
-    the dense projections and Qwen2-MoE's shared expert per token and channel), with chunked prefill."""
+    router in the model dtype; the tokens of transformers with the same fake quantization (experts per row, their
+    gate/up input per token, the dense projections and Qwen2-MoE's shared expert per token and channel), with
+    chunked prefill."""
     from nanovllm.layers.quantization.fp8 import Fp8MoEMethod
     path = tiny_ckpt(arch)
     prompts = make_prompts()

@@ -24,7 +24,7 @@ Public kernels (each mirrors a torch reference elsewhere in the package):
   (QK-norm + RoPE + KV store in one launch; reference ``nanovllm.layers.fused_qkv_ref``)
 * ``fused_moe(x, router_logits, w13, w2, top_k, renormalize, out=None, *, config=None, w13_scale=None,
   w2_scale=None, block=None)`` -> (T, H) the mixture-of-experts feed-forward (routing, expert-sorted layout,
-  grouped GEMMs, combine; e4m3 experts with per-row or per-tile scales, weight-only; reference
+  grouped GEMMs, combine; e4m3 experts with per-row or per-tile scales, gate/up on e4m3 activations; reference
   ``nanovllm.layers.moe_ref.fused_moe_ref``); ``fused_moe_compile(w13, w2, top_k, renormalize, ...)`` compiles
   every kernel variant its tile table can pick for that weight shape
 * ``per_token_quant_fp8(x)``, ``per_token_group_quant_fp8(x, group)``   -> (e4m3 q, float32 scales)

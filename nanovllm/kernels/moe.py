@@ -288,9 +288,10 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
               block: tuple[int, int] | None = None, combine: bool = True) -> torch.Tensor:
     """The mixture-of-experts feed-forward (T, H), as ``fused_moe_ref``: x (T, H); router_logits (T, E);
     w13 (E, 2I, H) and w2 (E, H, I) contiguous in x's dtype (I: this rank's slice: the result is then its partial
-    sum), or e4m3 with their float32 per-row scales w13_scale (E, 2I) and w2_scale (E, H) (weight-only FP8: the
-    activations stay in x's dtype), or with `block` (bn, bk) per-tile scales (E, 2I / bn, H / bk) and (E, H / bn,
-    I / bk) (a block-FP8 checkpoint's); into `out` ((T, H) contiguous, x's dtype) when given. config None: from
+    sum), or e4m3 with their float32 per-row scales w13_scale (E, 2I) and w2_scale (E, H) (FP8: gate/up on x
+    quantized per token, down on the SiLU-and-mul rows in x's dtype), or with `block` (bn, bk) per-tile scales
+    (E, 2I / bn, H / bk) and (E, H / bn, I / bk) (a block-FP8 checkpoint's; x quantized per token and bk
+    columns); into `out` ((T, H) contiguous, x's dtype) when given. config None: from
     the table (moe_config). combine=False: the (T * top_k, H) weighted expert rows, for the add + RMSNorm that
     follows to sum (``add_rms_norm(..., rows_per_token=top_k)``); no `out` then."""
     fn = "fused_moe"

@@ -69,10 +69,10 @@ def _quantized(w: torch.Tensor, block):
 @pytest.mark.parametrize("block", [None, (128, 128)], ids=["per row", "128 x 128 tiles"])
 @pytest.mark.parametrize("T", [1, 64, 256, 4096])
 def test_fp8_experts_full_size_match_reference(T, block):
-    """FP8 experts (weight-only: ``quantization="fp8"``'s one scale per expert and row, or a block-FP8
-    checkpoint's 128 x 128 tiles) at Qwen3-30B-A3B's shapes: the Triton layer against the reference on the
-    dequantized experts, and how far FP8 moves the layer from bf16 (printed; a few % of its norm is e4m3's
-    rounding)."""
+    """FP8 experts (``quantization="fp8"``'s one scale per expert and row, or a block-FP8 checkpoint's 128 x 128
+    tiles; gate/up on e4m3 activations) at Qwen3-30B-A3B's shapes: the Triton layer against the reference on the
+    dequantized experts and quantized inputs, and how far FP8 moves the layer from bf16 (printed; a few % of its
+    norm is e4m3's rounding)."""
     from nanovllm.kernels.moe import fused_moe
     from nanovllm.layers.moe_ref import fused_moe_ref
     x, logits, w13, w2 = _layer(T, INTER, seed=T + 11)

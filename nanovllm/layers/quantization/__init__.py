@@ -12,7 +12,7 @@ The embeddings, norms and the LM head are never quantized (they are not linear l
 
 `QuantizationConfig` is the resolved choice (in `EngineConfig`); `QuantizationMethods` hands each layer its
 method by checkpoint name (`LayerContext.linear`), and every mixture-of-experts layer its experts' method
-(``moe_method``: FP8 experts, weight-only: ``fp8.Fp8MoEMethod`` online, ``fp8.Fp8BlockMoEMethod`` from a
+(``moe_method``: FP8 experts: ``fp8.Fp8MoEMethod`` online, ``fp8.Fp8BlockMoEMethod`` from a
 block-FP8 checkpoint).
 """
 from __future__ import annotations
@@ -96,7 +96,7 @@ class QuantizationMethods:
     def moe_method(self):
         """The method of every mixture-of-experts layer's experts: online FP8 (``fp8.Fp8MoEMethod``: quantized
         per expert and row when loaded) or a block-FP8 checkpoint's tiles (``fp8.Fp8BlockMoEMethod``); both
-        weight-only."""
+        run gate/up on e4m3 activations and down weight-only."""
         from nanovllm.layers.quantization.fp8 import Fp8BlockMoEMethod, Fp8MoEMethod
         if self.config.checkpoint:
             return Fp8BlockMoEMethod(self.config.weight_block_size)
