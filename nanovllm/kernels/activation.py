@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels._common import check_float, check_last_contiguous, next_pow2
-from nanovllm.kernels.fp8_quant import check_group, fp8_quantize, fp8_quantize_groups, fp8_scale, group_quant_empty
+from nanovllm.kernels.fp8_quant import check_group, fp8_quant_empty, fp8_quantize, fp8_quantize_groups, fp8_scale
 
 
 @triton.jit
@@ -114,11 +114,7 @@ def silu_and_mul_fp8(x: torch.Tensor, group: int | None = None) -> tuple[torch.T
     M, inter = x.shape[0], x.shape[1] // 2
     if group is not None:
         check_group("silu_and_mul_fp8", group, inter)
-    if group is None:
-        q = torch.empty((M, inter), dtype=torch.float8_e4m3fn, device=x.device)
-        s = torch.empty((M, 1), dtype=torch.float32, device=x.device)
-    else:
-        q, s = group_quant_empty(M, inter, group, x.device)
+    q, s = fp8_quant_empty(M, inter, group, x.device)
     if M == 0 or inter == 0:
         return q, s
     if group is not None:

@@ -12,7 +12,7 @@ memory-bound kernels.)
 * ``per_token_group_quant_fp8(x, group)`` -> (q (M, K) e4m3, s (M, K // group))  (reference ``quantize_groups``)
 
 The per-token-and-group quantizers (this one, the quantizing norms and SiLU-and-mul) write into
-``group_quant_empty``'s buffers: the layout cuBLASLt's block-wise scaled GEMM takes (``padded_group_rows``).
+``fp8_quant_empty``'s buffers: the layout cuBLASLt's block-wise scaled GEMM takes (``padded_group_rows``).
 """
 from __future__ import annotations
 
@@ -94,11 +94,15 @@ def _per_token_quant_kernel(X, Q, S, K, stride_x, stride_q, BLOCK_K: tl.constexp
     tl.store(S + row, s)
 
 
-def group_quant_empty(M: int, K: int, group: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The outputs of a per-token-and-group quantization of (M, K) rows, laid out as ``torch._scaled_mm`` takes
-    1 x group activation scales (cuBLASLt's block-wise scaling on Hopper): q (M, K) e4m3, the first M rows of a
-    buffer of M rounded up to a multiple of 4 rows; s (M, K // group) float32 over the same padded rows, column
-    by column (strides (1, M_pad)). The rows past M are never written."""
+def fp8_quant_empty(M: int, K: int, group: int | None, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The outputs of an FP8 quantization of (M, K) rows. Per token (group None): q (M, K) e4m3 and s (M, 1)
+    float32. Per token and `group` columns, laid out as ``torch._scaled_mm`` takes 1 x group activation scales
+    (cuBLASLt's block-wise scaling on Hopper): q (M, K) e4m3, the first M rows of a buffer of M rounded up to a
+    multiple of 4 rows; s (M, K // group) float32 over the same padded rows, column by column (strides (1,
+    M_pad)). The rows past M are never written."""
+    if group is None:
+        return (torch.empty((M, K), dtype=torch.float8_e4m3fn, device=device),
+                torch.empty((M, 1), dtype=torch.float32, device=device))
     m_pad = -(-M // 4) * 4
     q = torch.empty((m_pad, K), dtype=torch.float8_e4m3fn, device=device)[:M]
     s = torch.empty((K // group, m_pad), dtype=torch.float32, device=device).t()[:M]
@@ -106,7 +110,7 @@ def group_quant_empty(M: int, K: int, group: int, device) -> tuple[torch.Tensor,
 
 
 def padded_group_rows(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``group_quant_empty``'s (q, s) as the whole padded buffers (M_pad, K) and (M_pad, K // group) they are
+    """``fp8_quant_empty``'s (q, s) as the whole padded buffers (M_pad, K) and (M_pad, K // group) they are
     views of, or None when they are not laid out so (rows quantized elsewhere)."""
     (M, K), G = q.shape, s.shape[1]
     m_pad = -(-M // 4) * 4
@@ -142,8 +146,7 @@ def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Launch sizes come from shapes only (CUDA-graph safe)."""
     _check_2d("per_token_quant_fp8", x)
     M, K = x.shape
-    q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty((M, 1), dtype=torch.float32, device=x.device)
+    q, s = fp8_quant_empty(M, K, None, x.device)
     if M == 0 or K == 0:
         return q, s
     block = min(next_pow2(K), 4096)
@@ -155,13 +158,13 @@ def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def per_token_group_quant_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic quantization per token and per ``group`` consecutive columns (the activations of a block-FP8
     GEMM): x (M, K), K a multiple of group (a power of two >= 16) -> (q (M, K) e4m3, s (M, K // group) float32),
-    laid out by ``group_quant_empty``."""
+    laid out by ``fp8_quant_empty``."""
     fn = "per_token_group_quant_fp8"
     _check_2d(fn, x)
     M, K = x.shape
     check_group(fn, group, K)
     num_groups = K // group
-    q, s = group_quant_empty(M, K, group, x.device)
+    q, s = fp8_quant_empty(M, K, group, x.device)
     if M == 0 or K == 0:
         return q, s
     per_prog = max(1, min(next_pow2(num_groups), 4096 // group))

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels._common import check_float, check_last_contiguous, check_same_device, next_pow2
-from nanovllm.kernels.fp8_quant import check_group, fp8_quantize, fp8_quantize_groups, fp8_scale, group_quant_empty
+from nanovllm.kernels.fp8_quant import check_group, fp8_quant_empty, fp8_quantize, fp8_quantize_groups, fp8_scale
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -133,10 +133,7 @@ def _launch(x, residual, weight, eps, out, residual_out, rows_per_token=1, fp8_o
     if fp8_out:  # (M, N) e4m3 rows and their (M, 1) or (M, N // group) scales
         if group is not None:
             check_group("rms_norm_fp8", group, N)
-        out = ((torch.empty((M, N), dtype=torch.float8_e4m3fn, device=x.device),
-                torch.empty((M, 1), dtype=torch.float32, device=x.device)) if group is None else
-               group_quant_empty(M, N, group, x.device))
-        y2, ys = out
+        out = y2, ys = fp8_quant_empty(M, N, group, x.device)
     else:
         if out is None:
             out = torch.empty(x.shape, dtype=y_dtype, device=x.device)

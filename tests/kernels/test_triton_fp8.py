@@ -13,7 +13,7 @@ from nanovllm.kernels.activation import silu_and_mul, silu_and_mul_fp8
 from nanovllm.kernels.decode_attention import paged_decode_attention
 from nanovllm.kernels.fp8_gemm import Fp8GemmConfig, w8a8_gemm
 from nanovllm.kernels.fp8_quant import (
-    group_quant_empty,
+    fp8_quant_empty,
     padded_group_rows,
     per_token_group_quant_fp8,
     per_token_quant_fp8,
@@ -94,7 +94,7 @@ def _check_group_layout(q: torch.Tensor, s: torch.Tensor) -> None:
 
 
 def test_padded_group_rows_refuses_other_layouts():
-    q, s = group_quant_empty(5, 256, 128, "cpu")
+    q, s = fp8_quant_empty(5, 256, 128, "cpu")
     assert padded_group_rows(q, s)[0].shape == (8, 256)
     assert padded_group_rows(q.contiguous(), s.contiguous()) is None      # a copy: no padding rows, row-major
     assert padded_group_rows(q[1:], s[1:]) is None                        # a view past the buffer's start

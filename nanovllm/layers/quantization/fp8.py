@@ -95,13 +95,13 @@ def _block_scaled_mm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: to
     """(xq * xs) @ (w * ws).T through ``torch._scaled_mm`` with block-wise scales: xq (M, K) e4m3 and xs (M, K /
     128) as the group quantizers lay them out (rows padded to a multiple of 4, scales column-major: what cuBLASLt
     takes; rows laid out otherwise are copied so), w (N, K) e4m3 with ws (N / 128, K / 128)."""
-    from nanovllm.kernels.fp8_quant import group_quant_empty, padded_group_rows
+    from nanovllm.kernels.fp8_quant import fp8_quant_empty, padded_group_rows
     M, K = xq.shape
     if M == 0:
         return _into(torch.empty((0, w.shape[0]), dtype=out_dtype, device=xq.device), out)
     padded = padded_group_rows(xq, xs)
     if padded is None:
-        q, s = group_quant_empty(M, K, group, xq.device)
+        q, s = fp8_quant_empty(M, K, group, xq.device)
         q.copy_(xq)
         s.copy_(xs)
         padded = padded_group_rows(q, s)
