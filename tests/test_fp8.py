@@ -299,6 +299,17 @@ def test_block_fp8_moe_tiles_must_not_split(tiny_ckpt, tmp_path):
         LLM(path, **CPU)
 
 
+def test_block_fp8_moe_hidden_size_must_be_whole_tiles(tiny_ckpt, tmp_path):
+    """The experts' input is quantized per token and bk columns: a hidden size of 48 with 32-wide tiles is refused
+    by name when the model is built (the attention and the dense layer stay unquantized, so only the experts ask)."""
+    src = tiny_ckpt("qwen3_moe", hidden_size=48, head_dim=12)
+    dense = [f"model.layers.{i}.self_attn.{p}_proj" for i in (0, 1) for p in "qkvo"]
+    dense += [f"model.layers.0.mlp.{p}_proj" for p in ("gate", "up", "down")]
+    path = write_block_fp8_checkpoint(src, str(tmp_path / "moe-fp8"), block=(16, 32), not_converted=tuple(dense))
+    with pytest.raises(ValueError, match=r"hidden size 48 is not a multiple of the checkpoint's weight_block_size 32"):
+        LLM(path, **CPU)
+
+
 def test_block_fp8_moe_checkpoint_errors(tiny_ckpt, tmp_path):
     """An expert weight stored unquantized, or tile scales of the wrong shape: a ValueError naming the tensor."""
     from safetensors.torch import load_file, save_file
