@@ -11,7 +11,8 @@
 #   online06   the server bench (benchmarks/online_bench.py) on Qwen3-0.6B at RATES (default 16,64,inf) requests/s.
 #              Needs fastapi and uvicorn: carry their wheels (.whl) and start the device command with the wheel
 #              install from the device README (pip install --target /tmp/site ... && export PYTHONPATH=/tmp/site)
-#   moe30b     ... on Qwen3-30B-A3B (MoE), one GPU; moe30b_fp8: the same with --quantization fp8 (FP8 experts)
+#   moe30b     ... on Qwen3-30B-A3B (MoE), one GPU; moe30b_fp8: the same with FP8 weights (experts too), then FP8
+#              weights + FP8 KV cache, then in the block-FP8 checkpoint layout (benchmarks/models/qwen3-30b-a3b-fp8)
 #   fp8        ... on Qwen3-8B with FP8 weights, then FP8 weights + FP8 KV cache, then in the block-FP8 checkpoint
 #              layout (benchmarks/models/qwen3-8b-fp8)
 #   spec       speculative decoding: trains the copy model (benchmarks/train_tiny.py, once per machine), then its
@@ -101,7 +102,10 @@ for s in $steps; do
           --max-model-len 4096 --rates "${RATES:-16,64,inf}" --output "$OUT/online06.json"
       fi ;;
     moe30b) bench moe30b 300 benchmarks/models/qwen3-30b-a3b ;;
-    moe30b_fp8) bench moe30b_fp8 300 benchmarks/models/qwen3-30b-a3b --quantization fp8 ;;
+    moe30b_fp8)
+      bench moe30b_fp8 300 benchmarks/models/qwen3-30b-a3b --quantization fp8
+      bench moe30b_fp8kv 300 benchmarks/models/qwen3-30b-a3b --quantization fp8 --kv-cache-dtype fp8
+      bench moe30b_fp8block 300 benchmarks/models/qwen3-30b-a3b-fp8 ;;
     fp8)
       bench fp8 300 benchmarks/models/qwen3-8b --quantization fp8
       bench fp8kv 300 benchmarks/models/qwen3-8b --quantization fp8 --kv-cache-dtype fp8

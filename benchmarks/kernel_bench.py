@@ -29,7 +29,8 @@ decode: the decode kernel (``paged_decode_attention``) at 256 sequences of 100-2
 per-(token, head) scales, launched as a decode graph launches it: the longest sequence first, and the KV splits
 the engine takes for the shape (``decode_long_splits`` when the mean context is long, e.g. ``--batch 64 --ctx
 6000-8200``); microseconds, achieved TB/s over the bytes read, and the error against ``paged_attention_ref``.
---sweep times every (BLOCK_N, num_warps, num_stages) launch and prints the best; --splits N forces N KV splits.
+--sweep times every (BLOCK_N, num_warps, num_stages) launch and prints the best, --launches the ones named;
+--splits N forces N KV splits.
 
 moe: the fused mixture-of-experts layer (``nanovllm.kernels.moe``) at Qwen3-30B-A3B's shapes (hidden 2048, 128
 experts, top-8, expert width 768 / tp) in bf16, random weights (N(0, 0.02), the router too). For each token count
@@ -516,21 +517,31 @@ def decode(argv: list[str]) -> None:
     ap.add_argument("--ctx", default="100-2048", help="context lengths, uniform in lo-hi")
     ap.add_argument("--heads", default="32/8,32/4,16/8", help="query/KV heads, comma-separated (head_dim 128)")
     ap.add_argument("--sweep", action="store_true", help="every (BLOCK_N, num_warps, num_stages) launch too")
+    ap.add_argument("--launches", default="", help="BLOCK_N-warps-stages,... to time beside the default (e.g. "
+                    "64-2-7: Triton gives the K/V loads one more shared-memory buffer for every two stages past 3)")
+    ap.add_argument("--cache", choices=("both", "bf16", "e4m3"), default="both", help="which KV caches to time")
     ap.add_argument("--splits", type=int, default=None, help="KV splits (default: the engine's for the shape)")
     ns = ap.parse_args(argv)
     if ns.splits is not None and ns.splits < 1:
         ap.error(f"--splits must be >= 1, got {ns.splits}")
+    try:
+        extra = [tuple(int(v) for v in x.split("-")) for x in ns.launches.split(",") if x]
+    except ValueError:
+        ap.error(f"--launches takes BLOCK_N-warps-stages items, got {ns.launches!r}")
+    if any(len(x) != 3 for x in extra):
+        ap.error(f"--launches takes BLOCK_N-warps-stages items, got {ns.launches!r}")
     if not torch.cuda.is_available():
         raise SystemExit("kernel_bench.py decode needs a CUDA GPU")
     lo, hi = map(int, ns.ctx.split("-"))
     launches = [None]
     if ns.sweep:
         launches += [(bn, w, s) for bn in (64, 128, 256) for w in (1, 2, 4, 8) for s in (1, 2, 3, 4)]
+    launches += [x for x in extra if x not in launches]
     print(f"{torch.cuda.get_device_name()}: decode attention, {ns.batch} sequences of {lo}-{hi} tokens, "
           f"head_dim 128; TB/s counts the K/V (and scale) bytes read once")
     for hh in ns.heads.split(","):
         H, Hkv = map(int, hh.split("/"))
-        for fp8 in (False, True):
+        for fp8 in {"both": (False, True), "bf16": (False,), "e4m3": (True,)}[ns.cache]:
             case = DecodeCase(ns.batch, lo, hi, H, Hkv, 128, fp8)
             ref = case.reference().float()
             best = None

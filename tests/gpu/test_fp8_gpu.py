@@ -284,16 +284,20 @@ def _full_logits(llm, ids: list[int]) -> torch.Tensor:
     return logits.log_softmax(-1)
 
 
-def test_fp8_accuracy_on_trained_model(trained_ckpt, capsys, tmp_path):
+@pytest.mark.parametrize("model", ["trained_ckpt", "trained_moe_ckpt"])
+def test_fp8_accuracy_on_trained_model(model, request, capsys, tmp_path):
     """Teacher-forced on bf16's greedy continuations of 64 copy prompts (32 tokens each): how often an FP8 engine
     picks bf16's next token, and the mean KL(bf16 || FP8) of the next-token distributions over those positions:
     online FP8 weights, FP8 KV, both, and the model written as a block-FP8 checkpoint (128 x 128 tiles, run
-    through torch._scaled_mm's block-wise scaling). Bounds: >= 99% agreement, mean KL < 0.02 nats (the model
-    predicts by margins of several logits)."""
+    through torch._scaled_mm's block-wise scaling). On the dense copy model and on a Qwen3-MoE one (its experts
+    e4m3 as well: gate/up W8A8 on the FP8 tensor cores, down weight-only; per row online, per tile in the block
+    checkpoint). Bounds: >= 99% agreement, mean KL < 0.02 nats (the models predict by margins of several
+    logits)."""
     import train_tiny  # (benchmarks/, on the path through tests/gpu/conftest.py)
 
     from tests.fp8_helpers import write_block_fp8_checkpoint
 
+    trained_ckpt = request.getfixturevalue(model)
     prompts = train_tiny.copy_prompts(64, seed=0, max_len=600)
     engine = dict(dtype="bfloat16", kvcache_block_size=16, max_num_seqs=128, **COMMON)
     with LLM(trained_ckpt, **engine) as llm:
@@ -320,8 +324,9 @@ def test_fp8_accuracy_on_trained_model(trained_ckpt, capsys, tmp_path):
         kl = (p.exp() * (p - q)).sum(-1).mean().item()
         results[name] = (agree, kl)
         with capsys.disabled():
-            print(f"\n{name} vs bf16, copy-task model, teacher-forced over {p.shape[0]} positions: top-1 agreement "
-                  f"{agree:.2%}, mean KL {kl:.2e} nats")
+            kind = "MoE" if model == "trained_moe_ckpt" else "dense"
+            print(f"\n{name} vs bf16, copy-task {kind} model, teacher-forced over {p.shape[0]} positions: top-1 "
+                  f"agreement {agree:.2%}, mean KL {kl:.2e} nats")
     for name, (agree, kl) in results.items():
         assert agree >= 0.99 and kl < 0.02, (name, agree, kl)
 
