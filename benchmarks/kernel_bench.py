@@ -524,12 +524,10 @@ def decode(argv: list[str]) -> None:
     ns = ap.parse_args(argv)
     if ns.splits is not None and ns.splits < 1:
         ap.error(f"--splits must be >= 1, got {ns.splits}")
-    try:
-        extra = [tuple(int(v) for v in x.split("-")) for x in ns.launches.split(",") if x]
-    except ValueError:
+    items = [x.split("-") for x in ns.launches.split(",") if x]
+    if not all(len(x) == 3 and all(v.isdigit() for v in x) for x in items):
         ap.error(f"--launches takes BLOCK_N-warps-stages items, got {ns.launches!r}")
-    if any(len(x) != 3 for x in extra):
-        ap.error(f"--launches takes BLOCK_N-warps-stages items, got {ns.launches!r}")
+    extra = [tuple(map(int, x)) for x in items]
     if not torch.cuda.is_available():
         raise SystemExit("kernel_bench.py decode needs a CUDA GPU")
     lo, hi = map(int, ns.ctx.split("-"))

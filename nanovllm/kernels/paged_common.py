@@ -18,9 +18,9 @@ Common design points
   exactly and its scales multiply the scores after the dot. The prefill kernel dequantizes a value tile in
   registers (value * scale, float32, then the dot dtype), as ``torch_ref`` dequantizes the cache; the decode
   kernel computes in float16 and folds each value's scale into its probability instead (measured 1.11x on
-  Qwen3-8B FP8 end to end, 2026-12-01). Its converted tiles live in registers, which caps the programs (and so
-  the loads in flight) an SM holds: it reads an e4m3 cache at ~2.6 TB/s where a bf16 one reaches ~4
-  (``kernel_bench.py decode``).
+  Qwen3-8B FP8 end to end, 2026-12-01). It reads an e4m3 cache at ~2.9-3.0 TB/s where a bf16 one reaches ~4.2
+  (``kernel_bench.py decode``); more tiles in flight (deeper pipelines) and the score product on FP8 wgmma
+  were both measured slower (benchmarks/RESULTS.md, the decode-attention row).
 """
 from __future__ import annotations
 
