@@ -8,7 +8,14 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels._common import check_float, check_last_contiguous, next_pow2
-from nanovllm.kernels.fp8_quant import check_group, fp8_quant_empty, fp8_quantize, fp8_quantize_groups, fp8_scale
+from nanovllm.kernels.fp8_quant import (
+    check_group,
+    fp8_inverse,
+    fp8_quant_empty,
+    fp8_quantize,
+    fp8_quantize_groups,
+    fp8_scale,
+)
 
 
 @triton.jit
@@ -42,17 +49,18 @@ def _silu_and_mul_fp8_kernel(X, Q, S, inter, stride_x, stride_q, BLOCK: tl.const
         mask = offs < inter
         y = _silu_mul_tile(X, row, stride_x, inter, offs, mask)
         s = fp8_scale(tl.max(tl.abs(y), axis=0))
-        tl.store(Q + row * stride_q + offs, fp8_quantize(y, s), mask=mask)
+        tl.store(Q + row * stride_q + offs, fp8_quantize(y, fp8_inverse(s)), mask=mask)
     else:  # the row's largest magnitude first, then the row again (recomputed: the same values)
         amax = tl.zeros([BLOCK], tl.float32)
         for i0 in range(0, inter, BLOCK):
             mask = i0 + offs < inter
             amax = tl.maximum(amax, tl.abs(_silu_mul_tile(X, row, stride_x, inter, i0 + offs, mask)))
         s = fp8_scale(tl.max(amax, axis=0))
+        inv = fp8_inverse(s)
         for i0 in range(0, inter, BLOCK):
             mask = i0 + offs < inter
             y = _silu_mul_tile(X, row, stride_x, inter, i0 + offs, mask)
-            tl.store(Q + row * stride_q + i0 + offs, fp8_quantize(y, s), mask=mask)
+            tl.store(Q + row * stride_q + i0 + offs, fp8_quantize(y, inv), mask=mask)
     tl.store(S + row, s)
 
 

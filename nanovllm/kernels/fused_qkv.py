@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels._common import check_cache, check_float, check_int, check_kv_scales, check_same_device, next_pow2
-from nanovllm.kernels.fp8_quant import fp8_quantize, fp8_scale
+from nanovllm.kernels.fp8_quant import fp8_inverse, fp8_quantize, fp8_scale
 
 
 @triton.jit
@@ -66,8 +66,9 @@ def _store_halves(C, CS, dst, sdst, x1, x2, mask, h_ok, HALF: tl.constexpr, FP8:
         amax = tl.maximum(tl.max(tl.where(mask, tl.abs(f1), 0.0), axis=1),
                           tl.max(tl.where(mask, tl.abs(f2), 0.0), axis=1))
         s = fp8_scale(amax)
-        tl.store(C + dst, fp8_quantize(f1, s[:, None]), mask=mask)
-        tl.store(C + dst + HALF, fp8_quantize(f2, s[:, None]), mask=mask)
+        inv = fp8_inverse(s)[:, None]
+        tl.store(C + dst, fp8_quantize(f1, inv), mask=mask)
+        tl.store(C + dst + HALF, fp8_quantize(f2, inv), mask=mask)
         tl.store(CS + sdst, s, mask=h_ok)
     else:
         tl.store(C + dst, x1.to(C.dtype.element_ty), mask=mask)

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels._common import check_cache, check_float, check_int, check_kv_scales, check_same_device, next_pow2
-from nanovllm.kernels.fp8_quant import fp8_quantize, fp8_scale
+from nanovllm.kernels.fp8_quant import fp8_inverse, fp8_quantize, fp8_scale
 
 
 @triton.jit
@@ -15,7 +15,7 @@ def store_fp8_heads(C, CS, dst, sdst, x, mask, h_ok):
     """Quantize a (heads, D) tile x per head (row) and store it at C + dst, its scales at CS + sdst."""
     xf = x.to(tl.float32)
     s = fp8_scale(tl.max(tl.where(mask, tl.abs(xf), 0.0), axis=1))
-    tl.store(C + dst, fp8_quantize(xf, s[:, None]), mask=mask)
+    tl.store(C + dst, fp8_quantize(xf, fp8_inverse(s)[:, None]), mask=mask)
     tl.store(CS + sdst, s, mask=h_ok)
 
 

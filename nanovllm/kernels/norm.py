@@ -19,7 +19,14 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels._common import check_float, check_last_contiguous, check_same_device, next_pow2
-from nanovllm.kernels.fp8_quant import check_group, fp8_quant_empty, fp8_quantize, fp8_quantize_groups, fp8_scale
+from nanovllm.kernels.fp8_quant import (
+    check_group,
+    fp8_inverse,
+    fp8_quant_empty,
+    fp8_quantize,
+    fp8_quantize_groups,
+    fp8_scale,
+)
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -51,7 +58,7 @@ def _rms_norm_kernel(
     if FP8_OUT and QGROUP == 0:  # Y e4m3, YS one scale per row, of the rounded values (masked lanes are 0)
         yf = y.to(tl.float32)
         ys = fp8_scale(tl.max(tl.abs(yf), axis=0))
-        tl.store(Y + row * stride_y + offs, fp8_quantize(yf, ys), mask=mask)
+        tl.store(Y + row * stride_y + offs, fp8_quantize(yf, fp8_inverse(ys)), mask=mask)
         tl.store(YS + row * stride_ys, ys)
     elif FP8_OUT:  # one scale per QGROUP columns (N is a multiple of QGROUP; the groups past N are all masked)
         q, ys = fp8_quantize_groups(y.to(tl.float32), BLOCK, QGROUP)
