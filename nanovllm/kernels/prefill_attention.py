@@ -351,7 +351,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     G = H // Hkv
     G_PAD = next_pow2(G)
-    cfg = config if config is not None else tile_config(D, G_PAD, max(int(max_seqlen_q), 1), q.dtype)
+    cfg = config if config is not None else tile_config(D, G_PAD, max(int(max_seqlen_q), 1), q.dtype, fp8)
     HPP = G_PAD if cfg.pack_gqa else 1
     if cfg.block_m < HPP:
         raise ValueError(f"paged_prefill_attention: config {cfg.name} has block_m {cfg.block_m} < the {HPP} "

@@ -93,6 +93,18 @@ TABLE: dict[tuple[int, int, str, str], TileConfig] = {
 }
 TABLE.update({(d, g, b, "fp16"): cfg for (d, g, b, dt), cfg in list(TABLE.items()) if dt == "bf16"})
 
+# Over an e4m3 cache (kv_cache_dtype="fp8") the K/V tiles are converted in registers, which the bf16 tiles' deep
+# TMA pipelines and 128-row programs leave no room for: pointer loads, one stage for long prompts and 64-row
+# programs for short ones. Measured on an H200 (`.dev` probe over kernel_bench's AttentionCase, CUDA graphs,
+# 2026-12-03), 32 / 4 and 32 / 8 heads, head_dim 128, against the bf16 entries above over the same e4m3 cache:
+# long, 4,096 fresh tokens 520 vs 598 us, a 2,048-token chunk after 6,144 838 vs 963, 2 x 8,192 3,837 vs 4,304
+# (1.12-1.15x); short, a mixed step's chunks (373 fresh tokens; 200 after 600 beside 173; 256 after 768; 3 x 64
+# after 900) 16.0-31.1 vs 20.5-42.1 us (1.28-1.35x), 1,024 fresh 48.4 vs 53.4. head_dim 64 takes the bf16 table.
+E4M3_TABLE: dict[tuple[int, str], TileConfig] = {
+    (128, "long"): TileConfig(128, 128, 8, 1),
+    (128, "short"): TileConfig(64, 128, 4, 2),
+}
+
 
 # The candidates `kernel_bench.py attention --sweep` times on every shape (each is one compile per head_dim and
 # GQA group): the previous kernel's tiles, wider KV tiles, pointer vs TMA loads, pipeline depths, one head per
@@ -139,15 +151,17 @@ def _heuristic(head_dim: int, g_pad: int, bucket_name: str, dtype: torch.dtype) 
     return TileConfig(bm, bn, warps, 2)
 
 
-def tile_config(head_dim: int, g_pad: int, max_seqlen_q: int, dtype: torch.dtype) -> TileConfig:
-    """The config of a call: the table's entry for its key (for a G_PAD it lacks, the nearest G_PAD's entry of
+def tile_config(head_dim: int, g_pad: int, max_seqlen_q: int, dtype: torch.dtype,
+                kv_fp8: bool = False) -> TileConfig:
+    """The config of a call: over an e4m3 cache (kv_fp8, half-precision queries) E4M3_TABLE's entry for its
+    head_dim and bucket, else the table's entry for its key (for a G_PAD it lacks, the nearest G_PAD's entry of
     the same head_dim, bucket and dtype), else the heuristic; block_m is at least g_pad (a program holds at least
     one query of every packed head)."""
     b = bucket(max_seqlen_q, g_pad)
     dt = _DTYPE_NAMES.get(dtype, "")
     near = [g for d, g, bk, t in TABLE if (d, bk, t) == (head_dim, b, dt)]
-    cfg = None
-    if near:
+    cfg = E4M3_TABLE.get((head_dim, b)) if kv_fp8 and dt in ("bf16", "fp16") else None
+    if cfg is None and near:
         g = min(near, key=lambda g: (abs(g.bit_length() - g_pad.bit_length()), g))
         cfg = TABLE[(head_dim, g, b, dt)]
     if cfg is None:

@@ -14,14 +14,14 @@ import torch
 
 from nanovllm import kernels
 from nanovllm.attention.torch_ref import paged_attention_ref
-from nanovllm.kernels.prefill_config import SWEEP, TABLE
+from nanovllm.kernels.prefill_config import E4M3_TABLE, SWEEP, TABLE
 from tests.gpu.test_fp8_gpu import _fp8_paged_cache
 from tests.gpu.test_kernels_full_size import DEV, HKV, D, check, paged_cache, poisoned
 
 pytestmark = pytest.mark.gpu
 
 H = 32
-CONFIGS = sorted({*TABLE.values(), *SWEEP}, key=lambda c: c.name)
+CONFIGS = sorted({*TABLE.values(), *E4M3_TABLE.values(), *SWEEP}, key=lambda c: c.name)
 SHAPES = {  # name -> (q_lens, cached prefix lengths)
     "prompt 8192": ([8192], [0]),
     "chunks over 8k": ([1024, 512, 37, 1, 0], [8192, 7900, 8100, 8191, 0]),

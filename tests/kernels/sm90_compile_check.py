@@ -112,11 +112,12 @@ def check_prefill_configs(dt: str) -> None:
             prefill_variant(cfg, D, G, 256, dt, prec)
         prefill_variant(prefill.tile_config(D, G, 512, DTYPES[dt]), D, G, 256, dt, prec, persistent=True)
     print(f"== varlen prefill configs, {dt} queries over an e4m3 KV cache")
-    for cfg in configs:
+    for cfg in sorted({*configs, *prefill.E4M3_TABLE.values()}, key=lambda c: c.name):
         prefill_variant(cfg, 128, 4, 256, dt, prec, fp8=True)
     for D, G, mq in [(128, 2, 8192), (64, 4, 8192), (128, 8, 1)]:
-        prefill_variant(prefill.tile_config(D, G, mq, DTYPES[dt]), D, G, 256, dt, prec, fp8=True)
-    prefill_variant(prefill.tile_config(128, 4, 512, DTYPES[dt]), 128, 4, 256, dt, prec, persistent=True, fp8=True)
+        prefill_variant(prefill.tile_config(D, G, mq, DTYPES[dt], kv_fp8=True), D, G, 256, dt, prec, fp8=True)
+    prefill_variant(prefill.tile_config(128, 4, 512, DTYPES[dt], kv_fp8=True), 128, 4, 256, dt, prec,
+                    persistent=True, fp8=True)
 
 
 def check(dt: str) -> None:

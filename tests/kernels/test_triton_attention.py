@@ -541,6 +541,15 @@ def test_tile_config_choice():
     # a GQA group the table lacks takes the nearest one's entry
     assert tile_config(128, 8, 8192, torch.bfloat16) == TABLE[(128, 4, "long", "bf16")]
     assert tile_config(128, 1, 8192, torch.bfloat16) == TABLE[(128, 2, "long", "bf16")]
+    # over an e4m3 cache: E4M3_TABLE's pointer-load tiles at head_dim 128 (half-precision queries only)
+    from nanovllm.kernels.prefill_config import E4M3_TABLE
+    for b, lens in (("short", 512), ("long", 8192)):
+        for g in (4, 8):
+            cfg = tile_config(128, g, lens, torch.bfloat16, kv_fp8=True)
+            assert cfg == E4M3_TABLE[(128, b)] and not cfg.tma
+            assert tile_config(128, g, lens, torch.bfloat16) != cfg
+    assert tile_config(64, 4, 8192, torch.bfloat16, kv_fp8=True) == TABLE[(64, 4, "long", "bf16")]
+    assert tile_config(128, 4, 8192, torch.float32, kv_fp8=True) == tile_config(128, 4, 8192, torch.float32)
     dec = tile_config(128, 8, 1, torch.bfloat16)             # not in the table: the heuristic's short tiles
     assert dec.block_m == 32 and not dec.tma
     assert tile_config(16, 1, 4096, torch.float32) == TileConfig(64, 32, 4, 2)  # float32: small exact tiles
