@@ -154,6 +154,33 @@ def test_kernel_bench_fp8act_cases(group):
         assert torch.equal(q1.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s1, s2)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "e4m3"])
+def test_kernel_bench_kvstore_call(monkeypatch, cache_dtype):
+    """kernel_bench kvstore's timed call stores every token's K/V (the CPU interpreter on a tiny shape; the timer
+    stands in for CUDA graphs and runs the ten calls once)."""
+    import kernel_bench
+
+    from nanovllm.kernels import fused_qkv
+    stored = []
+    real = fused_qkv.qkv_norm_rope_store
+
+    def spy(*args, **kw):
+        stored.append((args[6], args[7], kw["k_scales"]))
+        return real(*args, **kw)
+    monkeypatch.setattr(fused_qkv, "qkv_norm_rope_store", spy)
+
+    def seconds(fn, reps):
+        fn()
+        return 2e-5
+    monkeypatch.setattr(kernel_bench, "graph_seconds", seconds)
+    assert kernel_bench.kvstore_us(4, 2, 5, cache_dtype, D=16, bs=4, device="cpu", cache_bytes=0) == pytest.approx(2.0)
+    assert len(stored) == 10
+    kc, vc, ks = stored[-1]
+    assert kc.dtype == cache_dtype and kc.shape == (2, 4, 2, 16)      # 5 tokens: two blocks of 4 slots
+    written = kc.view(torch.uint8).reshape(8, -1).ne(0).any(1).sum().item()
+    assert written == 5 and (ks is None) == (cache_dtype == torch.bfloat16)
+
+
 def test_fp8_gemm_bench_shapes_and_candidates():
     """fp8_gemm_bench's projections of Qwen3-8B and its candidate tilings (each pipeline within shared memory,
     no more rows per tile than the step has, at least 16)."""
