@@ -23,7 +23,8 @@ is checked against cuDNN's output on its first shape (relative error < 2e-2; a c
 never wins). Takes about 3-4 minutes on an H200, most of it compiling (one compile per config, head_dim and G).
 --kv-cache-dtype fp8: our cache holds e4m3 K/V with per-(token, head) scales (as the engine's with
 kv_cache_dtype="fp8"); SDPA and FA3 get the dequantized values in bf16, so the check still compares like with like
-(the table has no FP8 key: its printed entries say what the bf16 ones would be if measured on an e4m3 cache).
+(ours takes `prefill_config.E4M3_TABLE`'s tiles there; the sweep's printed entries, keyed like `TABLE`, say
+which config would win on an e4m3 cache: E4M3_TABLE is keyed by head_dim and bucket only).
 
 decode: the decode kernel (``paged_decode_attention``) at 256 sequences of 100-2,048 tokens (uniform, seeded),
 32 / 8, 32 / 4 and 16 / 8 heads (Qwen3-8B, Qwen3-30B-A3B, Qwen3-0.6B), over a bf16 cache and an e4m3 one with

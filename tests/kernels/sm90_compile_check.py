@@ -33,13 +33,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from nanovllm.kernels import activation, ar_norm, fused_qkv, kvcache, moe, moe_routing, norm, rotary  # noqa: E402
 from nanovllm.kernels import decode_attention as decode  # noqa: E402
 from nanovllm.kernels import prefill_attention as prefill  # noqa: E402
-from nanovllm.kernels.prefill_config import ORDERS, SWEEP, TABLE  # noqa: E402
+from nanovllm.kernels.prefill_config import E4M3_TABLE, ORDERS, SWEEP, TABLE  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -112,7 +113,7 @@ def check_prefill_configs(dt: str) -> None:
             prefill_variant(cfg, D, G, 256, dt, prec)
         prefill_variant(prefill.tile_config(D, G, 512, DTYPES[dt]), D, G, 256, dt, prec, persistent=True)
     print(f"== varlen prefill configs, {dt} queries over an e4m3 KV cache")
-    for cfg in sorted({*configs, *prefill.E4M3_TABLE.values()}, key=lambda c: c.name):
+    for cfg in sorted({*configs, *E4M3_TABLE.values()}, key=lambda c: c.name):
         prefill_variant(cfg, 128, 4, 256, dt, prec, fp8=True)
     for D, G, mq in [(128, 2, 8192), (64, 4, 8192), (128, 8, 1)]:
         prefill_variant(prefill.tile_config(D, G, mq, DTYPES[dt], kv_fp8=True), D, G, 256, dt, prec, fp8=True)
@@ -144,10 +145,13 @@ def check(dt: str) -> None:
     for fp8 in (False, True):
         build(kvcache._store_kvcache_kernel, {**cache_types(dt, fp8), "K": f"*{dt}", "V": f"*{dt}", "SLOTS": "*i64"},
               dict(BLOCK_SIZE=16, HEAD_DIM=128, D_PAD=128, BLOCK_H=8, FP8=fp8), num_warps=4)
-    for has_res, group in ((False, 1), (True, 1), (True, 8)):
-        build(norm._rms_norm_kernel, {"X": f"*{dt}", "R": f"*{dt}", "W": f"*{dt}", "Y": f"*{dt}", "S": f"*{dt}",
-                                      "eps": "fp32"},
-              dict(HAS_RES=has_res, GROUP=group, BLOCK=4096), num_warps=norm._num_warps(4096))
+    tl_dt = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[dt]
+    for has_res, group, fp8_out, qgroup in ((False, 1, False, 0), (True, 1, False, 0), (True, 8, False, 0),
+                                            (True, 1, True, 0), (True, 1, True, 128)):
+        build(norm._rms_norm_kernel, {"X": f"*{dt}", "R": f"*{dt}", "W": f"*{dt}", "Y": "*fp8e4nv" if fp8_out else
+                                      f"*{dt}", "S": f"*{dt}", "YS": "*fp32", "eps": "fp32"},
+              dict(HAS_RES=has_res, GROUP=group, BLOCK=4096, Y_DTYPE=tl_dt, FP8_OUT=fp8_out, QGROUP=qgroup),
+              num_warps=norm._fp8_num_warps(4096) if fp8_out else norm._num_warps(4096))
     build(ar_norm._two_rank_add_rms_norm_kernel, {"X": f"*{dt}", "P": f"*{dt}", "R": f"*{dt}", "W": f"*{dt}",
                                                   "Y": f"*{dt}", "S": f"*{dt}", "SIG_IN": "*i32", "SIG_OUT": "*i32",
                                                   "eps": "fp32"},
