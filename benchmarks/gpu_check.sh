@@ -22,7 +22,8 @@
 #   sampling   decode step time with a JSON schema / penalties / logit bias / n on 256 rows vs plain
 #              (benchmarks/bench_sampling_features.py; the JSON mode needs xgrammar: carry its wheels as above)
 #   attention  the prefill kernel against torch SDPA (benchmarks/kernel_bench.py attention)
-#   decode     the decode kernel over bf16 and e4m3 caches at 256 sequences (benchmarks/kernel_bench.py decode)
+#   decode     the decode kernel over bf16 and e4m3 caches at 256 sequences (benchmarks/kernel_bench.py decode), then
+#              the QK-norm + RoPE + KV store into both caches (kernel_bench.py kvstore)
 #   moe_sweep  the fused-MoE tile sweep for Qwen3-30B-A3B's expert shape at MOE_TOKENS (benchmarks/kernel_bench.py
 #              moe; MOE_FP8=1: FP8 experts): prints the MOE_CONFIGS entry to paste into nanovllm/kernels/moe_configs.py
 #   profile06, profile8   where a step's time goes (benchmarks/profile_step.py): step timings and kernel tables
@@ -126,7 +127,9 @@ for s in $steps; do
     sampling) run sampling 300 python3 benchmarks/bench_sampling_features.py --model benchmarks/models/qwen3-0.6b \
                 --rows 256 --tokens 128 --modes "${SAMPLING_MODES:-plain,json,penalties,bias,n}" ;;
     attention) TAIL=40 run attention 300 python3 benchmarks/kernel_bench.py attention ;;
-    decode) TAIL=12 run decode 200 python3 benchmarks/kernel_bench.py decode ;;
+    decode)
+      TAIL=12 run decode 200 python3 benchmarks/kernel_bench.py decode
+      TAIL=5 run kvstore 120 python3 benchmarks/kernel_bench.py kvstore ;;
     moe_sweep) TAIL=60 run moe_sweep 560 python3 benchmarks/kernel_bench.py moe --tokens ${MOE_TOKENS:-256 1024 4096 8192} \
                  ${MOE_FP8:+--fp8} --json "$OUT/moe_sweep.json" ;;
     profile06) TAIL=70 run profile06 300 python3 benchmarks/profile_step.py --model benchmarks/models/qwen3-0.6b \
