@@ -618,19 +618,18 @@ def kvstore_us(H: int, Hkv: int, T: int, cache_dtype: torch.dtype, D: int = 128,
     """Microseconds of one ``qkv_norm_rope_store`` of T tokens into a paged cache of `cache_dtype` (e4m3: with
     per-(token, head) scales) of about `cache_bytes`, slots in random order; CUDA graphs of ten calls."""
     from nanovllm.kernels.fused_qkv import qkv_norm_rope_store
-    dev = device
-    g = torch.Generator(device=dev).manual_seed(T)
+    g = torch.Generator(device=device).manual_seed(T)
     blocks = max(cache_bytes // (2 * bs * Hkv * D * 2), -(-T // bs))
-    qkv = torch.randn(T, (H + 2 * Hkv) * D, device=dev, generator=g).bfloat16()
-    pos = torch.randint(0, 4096, (T,), device=dev, generator=g)
-    cos_sin = torch.randn(4096, D, device=dev, generator=g)
-    qw, kw = (torch.randn(D, device=dev, generator=g).bfloat16() for _ in range(2))
-    slots = torch.randperm(blocks * bs, device=dev, generator=g)[:T]
-    q_out = torch.empty(T, H, D, device=dev, dtype=torch.bfloat16)
-    kc = torch.zeros(blocks, bs, Hkv, D, device=dev, dtype=cache_dtype)
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, device=device, generator=g).bfloat16()
+    pos = torch.randint(0, 4096, (T,), device=device, generator=g)
+    cos_sin = torch.randn(4096, D, device=device, generator=g)
+    qw, kw = (torch.randn(D, device=device, generator=g).bfloat16() for _ in range(2))
+    slots = torch.randperm(blocks * bs, device=device, generator=g)[:T]
+    q_out = torch.empty(T, H, D, device=device, dtype=torch.bfloat16)
+    kc = torch.zeros(blocks, bs, Hkv, D, device=device, dtype=cache_dtype)
     vc = torch.zeros_like(kc)
-    fp8 = cache_dtype == torch.float8_e4m3fn
-    ks, vs = (torch.ones(blocks, bs, Hkv, device=dev) for _ in range(2)) if fp8 else (None, None)
+    ks, vs = ((torch.ones(blocks, bs, Hkv, device=device) for _ in range(2))
+              if cache_dtype == torch.float8_e4m3fn else (None, None))
 
     def ten():  # ten calls a replay: a graph's own launch gap is not the kernel's
         for _ in range(10):

@@ -33,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -145,12 +144,13 @@ def check(dt: str) -> None:
     for fp8 in (False, True):
         build(kvcache._store_kvcache_kernel, {**cache_types(dt, fp8), "K": f"*{dt}", "V": f"*{dt}", "SLOTS": "*i64"},
               dict(BLOCK_SIZE=16, HEAD_DIM=128, D_PAD=128, BLOCK_H=8, FP8=fp8), num_warps=4)
-    tl_dt = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[dt]
     for has_res, group, fp8_out, qgroup in ((False, 1, False, 0), (True, 1, False, 0), (True, 8, False, 0),
                                             (True, 1, True, 0), (True, 1, True, 128)):
-        build(norm._rms_norm_kernel, {"X": f"*{dt}", "R": f"*{dt}", "W": f"*{dt}", "Y": "*fp8e4nv" if fp8_out else
-                                      f"*{dt}", "S": f"*{dt}", "YS": "*fp32", "eps": "fp32"},
-              dict(HAS_RES=has_res, GROUP=group, BLOCK=4096, Y_DTYPE=tl_dt, FP8_OUT=fp8_out, QGROUP=qgroup),
+        y = "*fp8e4nv" if fp8_out else f"*{dt}"
+        build(norm._rms_norm_kernel, {"X": f"*{dt}", "R": f"*{dt}", "W": f"*{dt}", "Y": y, "S": f"*{dt}",
+                                      "YS": "*fp32", "eps": "fp32"},
+              dict(HAS_RES=has_res, GROUP=group, BLOCK=4096, Y_DTYPE=norm._TL_DTYPES[DTYPES[dt]], FP8_OUT=fp8_out,
+                   QGROUP=qgroup),
               num_warps=norm._fp8_num_warps(4096) if fp8_out else norm._num_warps(4096))
     build(ar_norm._two_rank_add_rms_norm_kernel, {"X": f"*{dt}", "P": f"*{dt}", "R": f"*{dt}", "W": f"*{dt}",
                                                   "Y": f"*{dt}", "S": f"*{dt}", "SIG_IN": "*i32", "SIG_OUT": "*i32",
