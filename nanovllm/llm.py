@@ -4,11 +4,12 @@ from __future__ import annotations
 import itertools
 import time
 
+from nanovllm.beam_search import BeamSearchOutput, beam_search
 from nanovllm.config import EngineArgs
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.output import request_output
 from nanovllm.outputs import RequestOutput
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import BeamSearchParams, SamplingParams
 
 
 def _normalize_prompts(prompts) -> list:
@@ -87,6 +88,28 @@ class LLM:
             raise
         texts = [p if isinstance(p, str) else None for p in prompts]
         return [request_output(rid, text, results[rid], self._decode_token) for rid, text in zip(ids, texts)]
+
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: the `params.beam_width` best continuations of each prompt by beam search
+        (``nanovllm.beam_search``), one `BeamSearchOutput` per prompt. Prompts as `generate` takes them; every
+        prompt must leave room for `params.max_tokens` tokens within max_model_len (else a ValueError, before any
+        step runs)."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        L = self.engine.config.max_model_len
+        ids = []
+        for i, p in enumerate(_normalize_prompts(prompts)):
+            try:
+                tokens = self.engine.validate_request(p, None).prompt_token_ids
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompt {i}: {e}") from None
+            if len(tokens) + params.max_tokens > L:
+                raise ValueError(f"prompt {i}: {len(tokens)} prompt tokens + max_tokens={params.max_tokens} exceed "
+                                 f"max_model_len={L}")
+            ids.append(tokens)
+        tok = self.engine.tokenizer
+        return beam_search(lambda ps, sp: self.generate(ps, sp, use_tqdm=False), ids, params,
+                           self.engine.eos_token_ids, tok.decode if tok is not None else None, use_tqdm)
 
     def _decode_token(self, tid: int) -> str | None:
         tok = self.engine.tokenizer

@@ -214,3 +214,38 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+@dataclass
+class BeamSearchParams:
+    """`LLM.beam_search`'s parameters (vLLM's names and defaults; ``nanovllm.beam_search`` has the algorithm).
+
+    beam_width: beams kept per prompt (each step scores the top 2 * beam_width next tokens of every beam, so at
+        most MAX_LOGPROBS / 2); max_tokens: tokens generated per beam; ignore_eos: an EOS token neither ends a beam
+        nor is set apart; temperature: 0 scores the top tokens only, > 0 adds each beam's sampled token to its
+        candidates; length_penalty: a beam's score is its cumulative logprob / its length ** length_penalty;
+        include_stop_str_in_output: accepted for vLLM's scripts, no effect (a beam's text decodes all its tokens).
+    """
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        for name, types in (("beam_width", (int,)), ("max_tokens", (int,)), ("ignore_eos", (bool,)),
+                            ("temperature", (int, float)), ("length_penalty", (int, float)),
+                            ("include_stop_str_in_output", (bool,))):
+            v = getattr(self, name)
+            if (isinstance(v, bool) and bool not in types) or not isinstance(v, types):
+                raise TypeError(f"BeamSearchParams.{name} must be {' or '.join(t.__name__ for t in types)}, "
+                                f"got {type(v).__name__} {v!r}")
+        if not 1 <= self.beam_width <= MAX_LOGPROBS // 2:
+            raise ValueError(f"beam_width must be in [1, {MAX_LOGPROBS // 2}], got {self.beam_width}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not (self.temperature >= 0.0) or self.temperature == float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (abs(self.length_penalty) < float("inf")):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty}")
