@@ -45,10 +45,7 @@ def beam_search(generate: Callable[[list, SamplingParams], list[RequestOutput]],
     """Beam search of each prompt (token ids); `generate(prompts, sampling_params)` runs one engine batch (the
     `LLM`'s, without a progress bar), `decode` turns a beam's tokens into its text (None: no text); use_tqdm: a
     progress bar over the steps."""
-    if not isinstance(params, BeamSearchParams):
-        raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
-    step = SamplingParams(max_tokens=1, logprobs=2 * params.beam_width, temperature=params.temperature,
-                          ignore_eos=True)
+    step = SamplingParams(max_tokens=1, logprobs=2 * params.beam_width, temperature=params.temperature)
     ends = frozenset() if params.ignore_eos else eos_ids
 
     def key(b: BeamSearchSequence) -> float:
