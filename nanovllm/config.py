@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -90,8 +91,12 @@ class EngineArgs:
                 raise TypeError(f"{name} must be a string, got {type(v).__name__} {v!r}")
         if not isinstance(self.trust_remote_code, bool):
             raise TypeError(f"trust_remote_code must be a bool, got {self.trust_remote_code!r}")
-        need("device", self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:"),
-             "'auto', 'cpu' or 'cuda'")
+        for name in ("device", "dtype", "kv_cache_dtype"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"{name} must be a string, got {type(getattr(self, name)).__name__} "
+                                f"{getattr(self, name)!r}")
+        need("device", self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device) is not None,
+             "'auto', 'cpu', 'cuda' or 'cuda:N'")
         need("dtype", self.dtype == "auto" or self.dtype in _DTYPES,
              "'auto', 'float32', 'bfloat16' or 'float16'")
         int_arg("max_model_len", 1, allow_none=True)

@@ -30,7 +30,7 @@ def _normalize_prompts(prompts) -> list:
             elif "prompt" in p:
                 p = p["prompt"]
             else:
-                raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(p)}")
+                raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {list(p)}")
         out.append(p)
     return out
 
@@ -168,6 +168,14 @@ class LLM:
         if not isinstance(conversation, (list, tuple)) or not all(
                 isinstance(m, dict) and "role" in m and "content" in m for m in conversation):
             raise ValueError("a conversation must be a list of {'role': ..., 'content': ...} dicts")
+        for i, m in enumerate(conversation):
+            if not isinstance(m["role"], str):
+                raise TypeError(f"message {i}: role must be a string, got {m['role']!r}")
+            if not isinstance(m["content"], (str, list)):
+                raise TypeError(f"message {i}: content must be a string or a list of parts, got "
+                                f"{type(m['content']).__name__} {m['content']!r}")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
         tok = self.engine.tokenizer
         if not getattr(tok, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; use generate() with plain prompts")

@@ -17,6 +17,7 @@ def _check_type(name: str, value, types: tuple, *, allow_none: bool = False) -> 
 
 MAX_LOGPROBS = 20   # the most top tokens `logprobs` / `prompt_logprobs` may ask for (vLLM's default max_logprobs)
 MAX_N = 128         # samples per request
+_TOP_K_ALL = 2**31 - 1  # a top_k from here on keeps every token (the sampler's top_k is an int32)
 
 
 def _check_int_list(name: str, value) -> list[int]:
@@ -122,6 +123,11 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self):
+        self.verify()
+
+    def verify(self) -> None:
+        """Check every field and normalize the lists (idempotent): construction runs it, and the engine again on
+        each request, so that fields changed after construction are checked too."""
         _check_type("n", self.n, (int,))
         _check_type("best_of", self.best_of, (int,), allow_none=True)
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p"):
@@ -195,9 +201,12 @@ class SamplingParams:
                                 f"got {self.logit_bias!r}")
             bias = {}
             for k, v in self.logit_bias.items():
-                try:  # OpenAI's JSON has string keys
-                    tid = int(k) if not isinstance(k, (bool, float)) else None
-                except ValueError:
+                # token ids, or their decimal text (OpenAI's JSON has string keys): ASCII digits only
+                if isinstance(k, int) and not isinstance(k, bool):
+                    tid = k
+                elif isinstance(k, str) and k.isascii() and k.isdigit():
+                    tid = int(k)
+                else:
                     tid = None
                 if tid is None or tid < 0:
                     raise ValueError(f"logit_bias keys must be token ids >= 0, got {k!r}")
@@ -208,7 +217,7 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise TypeError(f"SamplingParams.structured_outputs must be StructuredOutputsParams, "
                             f"got {type(self.structured_outputs).__name__}")
-        if self.top_k == -1:
+        if self.top_k == -1 or self.top_k >= _TOP_K_ALL:  # at least every token of any vocabulary: all of them
             self.top_k = 0
 
     @property

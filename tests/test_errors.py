@@ -123,3 +123,84 @@ def test_cli_engine_flags():
     ns = build_parser().parse_args(["generate", "--no-async-scheduling", "--enforce-eager", "--max-model-len", "64"])
     assert engine_kwargs(ns) == {"async_scheduling": False, "enforce_eager": True, "max_model_len": 64}
     assert engine_kwargs(build_parser().parse_args(["generate"])) == {}
+
+
+def test_requests_that_would_leave_nothing_to_sample(llm):
+    """allowed_token_ids emptied by bad_words, or holding only ids that min_tokens holds back: a ValueError up
+    front (before, such a row sampled token 0, which the request did not allow)."""
+    tok = llm.tokenizer
+    (amp,) = tok.encode("&", add_special_tokens=False)
+    eos = sorted(llm.engine.eos_token_ids)[0]
+    with pytest.raises(ValueError, match="bad_words ban every token of allowed_token_ids"):
+        llm.generate([[1, 2]], SamplingParams(allowed_token_ids=[amp], bad_words=["&"]), use_tqdm=False)
+    with pytest.raises(ValueError, match="min_tokens=3"):
+        llm.generate([[1, 2]], SamplingParams(allowed_token_ids=[eos], min_tokens=3, max_tokens=5), use_tqdm=False)
+    with pytest.raises(ValueError, match="min_tokens=2"):
+        llm.generate([[1, 2]], SamplingParams(allowed_token_ids=[7], stop_token_ids=[7], min_tokens=2),
+                     use_tqdm=False)
+    # what is left is sampled: EOS after min_tokens, the allowed id that is not held back before it
+    out = llm.generate([[1, 2]], SamplingParams(allowed_token_ids=[eos, 7], min_tokens=2, max_tokens=5),
+                       use_tqdm=False)[0]["token_ids"]
+    assert out[:2] == [7, 7] and set(out) <= {7, eos}
+    # ignore_eos: EOS is an ordinary token, so it is not held back
+    out = llm.generate([[1, 2]], SamplingParams(allowed_token_ids=[eos], min_tokens=2, max_tokens=3,
+                                                ignore_eos=True), use_tqdm=False)[0]["token_ids"]
+    assert out == [eos] * 3
+
+
+def test_fields_changed_after_construction_are_checked(llm):
+    params = SamplingParams(max_tokens=3)
+    params.n = 0                        # used to hang generate(): no samples to wait for
+    with pytest.raises(ValueError, match="n must be"):
+        llm.generate([[1, 2, 3]], params, use_tqdm=False)
+    params.n, params.temperature = 1, -1.0
+    with pytest.raises(ValueError, match="temperature"):
+        llm.generate([[1, 2, 3]], params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_top_k_beyond_int32_keeps_every_token(llm):
+    """A top_k past any vocabulary means all tokens; one beyond int32 used to fail the whole step (every request
+    in it) when the sampler's inputs were packed."""
+    assert SamplingParams(top_k=2**31).top_k == 0 and SamplingParams(top_k=2**70).top_k == 0
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    want = llm.generate([[1, 2, 3]], greedy, use_tqdm=False)[0]["token_ids"]
+    outs = llm.generate([[1, 2, 3]] * 2, [SamplingParams(max_tokens=4, top_k=2**31, seed=1), greedy],
+                        use_tqdm=False)
+    assert len(outs[0]["token_ids"]) == 4 and outs[1]["token_ids"] == want
+
+
+@pytest.mark.parametrize("bias", [{"1_0": 1.0}, {" 10": 1.0}, {"١": 1.0}, {(1,): 1.0}, {None: 1.0}, {1.0: 2.0}])
+def test_logit_bias_keys_are_token_ids(bias):
+    with pytest.raises(ValueError, match="logit_bias keys"):
+        SamplingParams(logit_bias=bias)
+    assert SamplingParams(logit_bias={"10": 1.0, 11: -1.0}).logit_bias == {10: 1.0, 11: -1.0}
+
+
+def test_chat_messages_are_checked(llm):
+    for messages, match in [([{"role": "user", "content": None}], "message 0: content"),
+                            ([{"role": "user", "content": "hi"}, {"role": None, "content": "x"}], "message 1: role"),
+                            ([{"role": "user", "content": 5}], "message 0: content")]:
+        with pytest.raises(TypeError, match=match):
+            llm.chat(messages, use_tqdm=False)
+    with pytest.raises(TypeError, match="chat_template_kwargs"):
+        llm.chat([{"role": "user", "content": "hi"}], chat_template_kwargs="x", use_tqdm=False)
+
+
+def test_engine_args_types(tiny_ckpt):
+    path = tiny_ckpt("qwen3")
+    with pytest.raises(ValueError, match="cuda:N"):
+        LLM(path, device="cuda:x")
+    for name in ("dtype", "kv_cache_dtype", "device"):
+        with pytest.raises(TypeError, match=f"{name} must be a string"):
+            LLM(path, **{name: ["x"]})
+
+
+def test_bad_words_are_deduplicated_in_order(llm):
+    from nanovllm.engine.sampling_features import bad_words_token_ids
+    tok = llm.tokenizer
+    ids = bad_words_token_ids(tok, ["&", "&", " &", "a b"])
+    alone = tuple(tok.encode("&", add_special_tokens=False))
+    spaced = tuple(tok.encode(" &", add_special_tokens=False))
+    assert ids[:2] == list(dict.fromkeys([alone, spaced]))[:2] and len(ids) == len(set(ids))
+    assert ids[0] == alone

@@ -393,3 +393,10 @@ def test_a_grammar_process_needs_a_worker():
     for bad in (0, True, 1.5):
         with pytest.raises(ValueError, match="workers >= 1"):
             GrammarProcess("{}", 10, 4, threads=1, pin_memory=False, workers=bad)
+
+
+def test_spec_errors_name_the_spec_without_the_compiler_source_location():
+    from nanovllm.engine.structured import _spec_error
+    e = _spec_error("json", RuntimeError("[12:00:01] /project/cpp/json_schema_converter.cc:5082: Unsupported "
+                                         "type bogus"))
+    assert str(e) == "structured_outputs.json is not valid: Unsupported type bogus"

@@ -138,6 +138,7 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        params.verify()  # again: a field may have changed since construction
         ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("prompt is empty (no tokens)")
@@ -153,7 +154,9 @@ class LLMEngine:
         room = max(1, L - len(ids))
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         structured = self.structured if params.structured_outputs is not None else None
-        features = request_features(params, V, self.tokenizer, structured, self.config.args.tensor_parallel_size)
+        held = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        features = request_features(params, V, self.tokenizer, structured, self.config.args.tensor_parallel_size,
+                                    held_back=held)
         return ValidRequest(ids, params, max_tokens, features)
 
     @property

@@ -35,19 +35,23 @@ def _check_ids(name: str, ids, vocab_size: int) -> None:
 
 
 def bad_words_token_ids(tokenizer, words: list[str]) -> list[tuple[int, ...]]:
-    """Each word as the tokens it encodes to, alone and after a space (vLLM's rule), without duplicates."""
-    out: list[tuple[int, ...]] = []
+    """Each word as the tokens it encodes to, alone and after a space (vLLM's rule), without duplicates (in
+    first-seen order)."""
+    out: dict[tuple[int, ...], None] = {}
     for w in words:
         for text in (w.lstrip(), " " + w.lstrip()):
             ids = tuple(tokenizer.encode(text, add_special_tokens=False))
-            if ids and ids not in out:
-                out.append(ids)
-    return out
+            if ids:
+                out.setdefault(ids)
+    return list(out)
 
 
-def request_features(params: SamplingParams, vocab_size: int, tokenizer, structured, tp_size: int) -> RequestFeatures:
+def request_features(params: SamplingParams, vocab_size: int, tokenizer, structured, tp_size: int,
+                     held_back: set[int] = frozenset()) -> RequestFeatures:
     """Check a request's features against the model and derive what its sequences carry; ValueError if bad.
-    `structured`: the engine's StructuredOutputs (None: built on demand by the caller)."""
+    `structured`: the engine's StructuredOutputs (None: built on demand by the caller). `held_back`: the ids
+    its first min_tokens tokens may not be (stop ids and EOS), so that an allowed set they empty is an error
+    rather than a row with nothing left to sample."""
     f = RequestFeatures()
     if params.allowed_token_ids is not None:
         _check_ids("allowed_token_ids", params.allowed_token_ids, vocab_size)
@@ -62,6 +66,13 @@ def request_features(params: SamplingParams, vocab_size: int, tokenizer, structu
                 single.append(ids[0])
             else:
                 f.bad_word_ids.append(ids)
+    if params.allowed_token_ids is not None:
+        left = set(params.allowed_token_ids) - set(single)
+        if not left:
+            raise ValueError(f"bad_words ban every token of allowed_token_ids {params.allowed_token_ids}")
+        if params.min_tokens > 0 and left <= held_back:
+            raise ValueError(f"allowed_token_ids {sorted(left)} are all stop or EOS ids, which the first "
+                             f"min_tokens={params.min_tokens} tokens may not be")
     if params.allowed_token_ids is not None or params.logit_bias or single:
         entries = list((params.logit_bias or {}).items()) + [(t, float("-inf")) for t in single]
         f.static_bias = (sorted(set(params.allowed_token_ids or ())), entries)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections import OrderedDict
 
 import torch
@@ -62,6 +63,7 @@ def spec_key(spec: StructuredOutputsParams) -> tuple[str, str]:
 
 def _spec_error(kind: str, e: Exception) -> ValueError:
     msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+    msg = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", msg)  # xgrammar's "[time] file.cc:line: " prefix
     return ValueError(f"structured_outputs.{kind} is not valid: {msg}")
 
 

@@ -23,7 +23,7 @@ import logging
 import queue
 import threading
 
-from nanovllm.server.protocol import MAX_CHOICES, APIError, bad_request
+from nanovllm.server.protocol import MAX_CHOICES, MAX_WORDS, APIError, bad_request
 
 logger = logging.getLogger(__name__)
 
@@ -237,6 +237,9 @@ class Preprocessor:
         for name, toks in (("allowed_token_ids", params.allowed_token_ids), ("logit_bias", params.logit_bias)):
             if toks and max(toks) >= V:   # (logit_bias: its keys)
                 raise bad_request(f"{name} include token id {max(toks)}, outside the vocabulary [0, {V})", name)
+        for name, words in (("stop", params.stop_strings), ("bad_words", params.bad_words)):
+            if words and len(words) > MAX_WORDS:
+                raise bad_request(f"{name} holds {len(words)} strings; a request may give at most {MAX_WORDS}", name)
         if params.stop_strings:
             self.need_tokenizer("stop")
         if params.bad_words:

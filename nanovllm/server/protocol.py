@@ -18,6 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from nanovllm.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams, StructuredOutputsParams
 
 MAX_CHOICES = 1024   # prompts x n of one request: each choice is a sequence of the engine
+# stop strings, and bad words, of one request: the engine core tokenizes the bad words and matches the stop strings
+# on its loop, where every other request waits (20,000 bad words: 0.7 s of tokenizing)
+MAX_WORDS = 1024
 
 
 class APIError(Exception):
@@ -336,10 +339,10 @@ def parse_body(raw: bytes, model_cls: type[BaseModel]):
         err = e.errors()[0]
         loc = err.get("loc") or ()
         param = str(loc[0]) if loc else None
-        if err.get("type") == "missing":
-            raise APIError(400, f"missing required field {param!r}", param=param, code="missing_required_field") \
-                from None
         top = ".".join(str(x) for x in loc) if loc else None
+        if err.get("type") == "missing":  # the field's whole path: messages.0.role, not messages
+            raise APIError(400, f"missing required field {top!r}", param=top, code="missing_required_field") \
+                from None
         if param in _FRIENDLY and len(loc) > 1 and not isinstance(loc[1], int):
             msg = _FRIENDLY[param]     # a union: pydantic reports every alternative
         else:

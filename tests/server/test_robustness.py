@@ -8,6 +8,7 @@ import pytest
 
 httpx = pytest.importorskip("httpx")
 
+from nanovllm.server.protocol import MAX_WORDS  # noqa: E402
 from tests.server.server_helpers import (  # noqa: E402
     CHAT,
     MAX_MODEL_LEN,
@@ -136,4 +137,15 @@ def test_max_tokens_past_the_context_and_messages_without_content_are_400(srv):
         r = srv.http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user",
                                                                                        "content": None}]})
         check_error(r, 400, "messages.0.content")
+        r = srv.http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"content": "hi"}]})
+        check_error(r, 400, "messages.0.role", "'messages.0.role'")
+        # a top_k past int32 keeps every token (it used to fail the whole step, the stream beside it too)
+        r = srv.http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 3,
+                                                   "top_k": 2**31, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        # more stop strings or bad words than the engine core should match on its loop
+        for name in ("stop", "bad_words"):
+            r = srv.http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 3,
+                                                       name: [f"w{i}" for i in range(MAX_WORDS + 1)]})
+            check_error(r, 400, name, f"at most {MAX_WORDS}")
     beside.check()
