@@ -25,8 +25,13 @@ def _normalize_prompts(prompts) -> list:
     out = []
     for p in prompts:
         if isinstance(p, dict):
+            extra = [k for k in p if k not in ("prompt", "prompt_token_ids")]
+            if extra:  # vLLM's multi_modal_data, cache_salt, ...: not silently dropped
+                raise ValueError(f"prompt dict keys {extra} are not supported (only 'prompt' or 'prompt_token_ids')")
             if "prompt_token_ids" in p:
                 p = p["prompt_token_ids"]
+                if not isinstance(p, (list, tuple)):
+                    raise TypeError(f"prompt_token_ids must be a list of ints, got {type(p).__name__} {p!r}")
             elif "prompt" in p:
                 p = p["prompt"]
             else:

@@ -204,3 +204,14 @@ def test_bad_words_are_deduplicated_in_order(llm):
     spaced = tuple(tok.encode(" &", add_special_tokens=False))
     assert ids[:2] == list(dict.fromkeys([alone, spaced]))[:2] and len(ids) == len(set(ids))
     assert ids[0] == alone
+
+
+def test_prompt_dicts_are_checked(llm):
+    with pytest.raises(ValueError, match="multi_modal_data"):
+        llm.generate([{"prompt": "hi", "multi_modal_data": {"image": None}}], use_tqdm=False)
+    with pytest.raises(TypeError, match="prompt_token_ids must be a list"):
+        llm.generate([{"prompt_token_ids": "hi"}], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"\[1, 'a'\]"):
+        llm.generate([{1: "x", "a": 2}], use_tqdm=False)
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out[0]["token_ids"]) == 2

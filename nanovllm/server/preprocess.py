@@ -214,9 +214,9 @@ class Preprocessor:
         if not ids:
             raise bad_request("prompt is empty (no tokens)", "prompt")
         V, L = self.vocab_size, self.max_model_len
-        if len(ids) > L:       # first: it costs nothing, however long the prompt
-            raise bad_request(f"the prompt has {len(ids)} tokens, more than this model's maximum context length of "
-                              f"{L} tokens", "prompt")
+        if len(ids) >= L:      # first: it costs nothing, however long the prompt. vLLM's rule: no room, no request
+            raise bad_request(f"the prompt has {len(ids)} tokens, which leaves no room for output within this "
+                              f"model's maximum context length of {L} tokens", "prompt")
         if min(ids) < 0 or max(ids) >= V:
             bad = next(t for t in ids if not 0 <= t < V)
             raise bad_request(f"prompt token id {bad} is outside the vocabulary [0, {V})", "prompt")
@@ -225,7 +225,7 @@ class Preprocessor:
         """What SamplingParams cannot check alone: `max_tokens` against the context left after this prompt, token
         ids (stop, allowed, biased) against the vocabulary, stop strings and bad words against the tokenizer."""
         L = self.max_model_len
-        room = max(1, L - len(ids))
+        room = L - len(ids)  # >= 1: check_prompt refused the prompts that leave none
         if params.max_tokens is not None and params.max_tokens > room:
             raise bad_request(f"'max_tokens' is too large: {params.max_tokens}. This model's maximum context length "
                               f"is {L} tokens and your request has {len(ids)} input tokens "

@@ -129,6 +129,8 @@ def test_max_tokens_past_the_context_and_messages_without_content_are_400(srv):
         long_prompt = [5] * (MAX_MODEL_LEN - 6)        # 6 tokens of context left
         r = srv.http.post("/v1/completions", json={"model": MODEL, "prompt": long_prompt, "max_tokens": 6})
         assert r.status_code == 200                      # exactly the context left is fine
+        r = srv.http.post("/v1/completions", json={"model": MODEL, "prompt": [5] * MAX_MODEL_LEN, "max_tokens": 1})
+        check_error(r, 400, "prompt", "leaves no room for output")   # no context left (vLLM's 400 too)
         r = srv.http.post("/v1/completions", json={"model": MODEL, "prompt": long_prompt, "max_tokens": 7})
         check_error(r, 400, "max_tokens", "(7 > 512 - 506)")
         check_error(chat(srv, max_completion_tokens=MAX_MODEL_LEN), 400, "max_tokens", "is too large")
