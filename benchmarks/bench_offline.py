@@ -127,6 +127,12 @@ def main(argv=None) -> dict:
                          "how long each GPU sat idle between steps (waiting for the host or its worker process)")
     add_engine_args(ap)
     ns = ap.parse_args(argv)
+    least = {"num_seqs": 1, "batch": 1, "max_input_len": 4 if ns.workload == "copy" else 100,
+             "max_output_len": 1 if ns.workload == "copy" else 100}  # (the reference workload's lengths start at 100)
+    for name, lo in least.items():
+        v = getattr(ns, name)
+        if v is not None and v < lo:
+            ap.error(f"--{name.replace('_', '-')} must be >= {lo} for the {ns.workload} workload, got {v}")
     if ns.workload == "prefill-heavy":
         if ns.max_input_len is not None or ns.max_output_len is not None:
             ap.error("--max-input-len / --max-output-len belong to the reference workload; prefill-heavy fixes its "
@@ -137,11 +143,12 @@ def main(argv=None) -> dict:
     elif ns.workload == "copy":
         import train_tiny  # (benchmarks/)
         kwargs = {"max_model_len": 4096, **engine_kwargs(ns)}
-        batch = ns.batch or 256
+        batch = 256 if ns.batch is None else ns.batch
         kwargs.setdefault("max_num_seqs", batch)
         kwargs["max_model_len"] = min(kwargs["max_model_len"], train_tiny.SEQ_LEN)  # the lengths it was trained on
-        out_len = ns.max_output_len or 200
-        prompts = train_tiny.copy_prompts(ns.num_seqs or max(4 * batch, 16), seed=0, max_len=ns.max_input_len or 400)
+        out_len = 200 if ns.max_output_len is None else ns.max_output_len
+        prompts = train_tiny.copy_prompts(max(4 * batch, 16) if ns.num_seqs is None else ns.num_seqs, seed=0,
+                                          max_len=400 if ns.max_input_len is None else ns.max_input_len)
         max_tokens = [out_len] * len(prompts)
         params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m) for m in max_tokens]
     else:
@@ -156,7 +163,13 @@ def main(argv=None) -> dict:
         timing_dir = tempfile.mkdtemp(prefix="nanovllm-steps-")
         os.environ[STEP_TIMING_ENV] = os.path.join(timing_dir, "steps")  # read by every rank's ModelRunner
     t0 = time.perf_counter()
-    llm = LLM(ns.model, **kwargs)
+    try:
+        llm = LLM(ns.model, **kwargs)
+    except (ValueError, TypeError, OSError) as e:  # a bad path or engine argument: one line, not a traceback
+        raise SystemExit(f"bench_offline.py: error: {e}") from None
+    if llm.engine.vocab_size <= 10_000 and ns.workload != "copy":
+        raise SystemExit(f"bench_offline.py: error: the {ns.workload} workload's prompt ids go up to 10,000 and "
+                         f"this model's vocabulary has {llm.engine.vocab_size} tokens")
     startup = time.perf_counter() - t0
     eng = llm.engine
     runner = eng.runner

@@ -661,6 +661,9 @@ COMMANDS = {"attention": attention, "moe": moe, "decode": decode, "fp8act": fp8a
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]):
+        print(f"usage: kernel_bench.py {{{','.join(COMMANDS)}}} [options]\n\n" + (__doc__ or ""))
+        return
     if not argv or argv[0] not in COMMANDS:
         raise SystemExit(f"usage: kernel_bench.py {{{','.join(COMMANDS)}}} [options]  (got {argv[:1]})\n\n"
                          + (__doc__ or ""))

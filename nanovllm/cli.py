@@ -122,7 +122,10 @@ def default_model(model: str | None) -> str:
     if model is not None:
         return model
     from nanovllm.utils.tiny_model import ensure_default_tiny_model
-    model = ensure_default_tiny_model()
+    try:
+        model = ensure_default_tiny_model()
+    except OSError as e:  # an unusable NANOVLLM_TINY_MODEL_DIR (or cache directory)
+        raise ValueError(f"could not write the built-in tiny model: {e}") from None
     print(f"[nanovllm] no model given: using a built-in tiny model with RANDOM weights at {model}\n"
           f"[nanovllm] its output is gibberish by design; pass a checkpoint directory or a Hugging Face id",
           file=sys.stderr)

@@ -32,6 +32,22 @@ def test_bench_offline_small_workload(tiny_ckpt, tmp_path, capsys):
     assert "output tok/s" in capsys.readouterr().out
 
 
+def test_bench_offline_rejects_bad_arguments_in_one_line(tiny_ckpt, tmp_path, capsys):
+    """Lengths below the workload's own (its random lengths start at 100), no requests, a model that is not there
+    or whose vocabulary the workload's ids overflow: an error message and a non-zero exit, not a traceback."""
+    for args, match in [(["--max-input-len", "50"], "--max-input-len must be >= 100"),
+                        (["--max-output-len", "5"], "--max-output-len must be >= 100"),
+                        (["--num-seqs", "0"], "--num-seqs must be >= 1"),
+                        (["--workload", "copy", "--batch", "0"], "--batch must be >= 1")]:
+        with pytest.raises(SystemExit):
+            bench_offline.main(["--model", tiny_ckpt("qwen3"), *args])
+        assert match in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="bench_offline.py: error: .*does not exist"):
+        bench_offline.main(["--model", str(tmp_path / "nope"), "--device", "cpu"])
+    with pytest.raises(SystemExit, match="this model.s vocabulary has [0-9]+ tokens"):
+        bench_offline.main(["--model", tiny_ckpt("qwen3"), "--num-seqs", "1", "--device", "cpu"])
+
+
 def test_bench_offline_copy_workload_with_speculation(tiny_ckpt, capsys):
     spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 3}'
     res = bench_offline.main(["--model", tiny_ckpt("qwen3"), "--workload", "copy", "--batch", "2", "--num-seqs", "3",
@@ -112,6 +128,7 @@ def test_kernel_bench_attention_layouts():
     torch.testing.assert_close(fp8.ours(cfg)().clone(), want, atol=1e-5, rtol=1e-5)
     with pytest.raises(SystemExit, match="usage"):
         kernel_bench.main(["nope"])
+    kernel_bench.main(["--help"])          # the usage, and a normal return (exit status 0)
 
 
 def test_kernel_bench_moe_sweep_block(monkeypatch):

@@ -117,3 +117,22 @@ def test_serve_without_a_model_uses_the_tiny_one(monkeypatch, capsys):
     assert seen["port"] == 8123 and "RANDOM weights" in err and "engine core ready" in err
     assert seen["bound"] == [8123]   # the socket it serves on, bound before the engine core started
     assert seen["app"].state.server.client.info.max_model_len == 256
+
+
+def test_unusable_tiny_model_dir_and_tp_timeouts_are_one_line_errors(tmp_path, monkeypatch, capsys):
+    from nanovllm.cli import main
+    from nanovllm.distributed.executor import _env_timeout
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    monkeypatch.setenv("NANOVLLM_TINY_MODEL_DIR", str(blocker / "tiny"))
+    assert main(["generate", "--prompt", "hi", "--max-tokens", "2"]) == 2
+    assert "could not write the built-in tiny model" in capsys.readouterr().err
+    for bad in ("abc", "-5", "nan", "inf"):
+        monkeypatch.setenv("NANOVLLM_TP_STEP_TIMEOUT", bad)
+        with pytest.raises(ValueError, match="NANOVLLM_TP_STEP_TIMEOUT must be a number of seconds"):
+            _env_timeout("NANOVLLM_TP_STEP_TIMEOUT")
+    for off in ("", "0", "none"):
+        monkeypatch.setenv("NANOVLLM_TP_STEP_TIMEOUT", off)
+        assert _env_timeout("NANOVLLM_TP_STEP_TIMEOUT") is None
+    monkeypatch.setenv("NANOVLLM_TP_STEP_TIMEOUT", "2.5")
+    assert _env_timeout("NANOVLLM_TP_STEP_TIMEOUT") == 2.5

@@ -68,10 +68,17 @@ SHUTDOWN_JOIN_S = 5.0     # a clean shutdown waits this long before terminating 
 
 
 def _env_timeout(name: str) -> float | None:
+    """A timeout in seconds from the environment variable `name` (unset, "", "0" or "none": no timeout)."""
     v = os.environ.get(name)
     if v is None or v.strip() in ("", "0", "none"):
         return None
-    return float(v)
+    try:
+        t = float(v)
+    except ValueError:
+        t = float("nan")
+    if not 0 < t < float("inf"):
+        raise ValueError(f"{name} must be a number of seconds > 0 (or 0 / none: no timeout), got {v!r}")
+    return t
 
 
 @dataclass
