@@ -24,7 +24,7 @@ from nanovllm.engine.kv_events import KVEventPublisher
 from nanovllm.engine.output import StepOutput
 from nanovllm.engine.sampling_features import RequestFeatures, SlotAllocator, late_inputs, request_features
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.engine.spec.speculator import Speculator
 from nanovllm.engine.tokenizer import eos_ids, load_tokenizer
 from nanovllm.sampling_params import SamplingParams
@@ -463,17 +463,25 @@ class LLMEngine:
         return None
 
     def _make_output(self, seq: Sequence, now: float) -> StepOutput:
-        new_ids = seq.token_ids[seq.num_prompt_tokens + seq.num_emitted:]
+        toks = seq.token_ids
+        end = len(toks) - (toks[-1] == PLACEHOLDER)  # not the token of the step in flight (async scheduling)
+        new_ids = toks[seq.num_prompt_tokens + seq.num_emitted:end]
         # the whole output list only at the end: copying it every step of every stream is O(length)
         out_ids = seq.output_token_ids if seq.is_finished else []
-        if seq.detok is not None:
-            text = seq.detok.text
+        p = seq.params
+        if seq.is_finished and isinstance(seq.stop_reason, str):
+            text = seq.detok.text                   # cut at its stop string
         elif seq.is_finished and self.tokenizer is not None:
-            text = self.tokenizer.decode(out_ids, skip_special_tokens=seq.params.skip_special_tokens)
+            # the whole output decoded at once, whether or not a detokenizer followed it (the same text either way)
+            text = self.tokenizer.decode(out_ids, skip_special_tokens=p.skip_special_tokens)
+        elif seq.detok is not None:
+            text = seq.detok.text
+            if p.stop_strings:  # held back: what could be the start of a stop string that the next tokens complete
+                text = text[:max(len(seq.text), len(text) - (max(map(len, p.stop_strings)) - 1))]
         else:
             text = ""
         new_text = text[len(seq.text):] if seq.stream else ""
-        new_lp = seq.logprobs[seq.num_emitted:] if seq.logprobs is not None else None
+        new_lp = seq.logprobs[seq.num_emitted:seq.num_emitted + len(new_ids)] if seq.logprobs is not None else None
         seq.num_emitted += len(new_ids)
         seq.text = text
         metrics = {"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time, "now": now,
