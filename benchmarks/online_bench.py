@@ -470,8 +470,14 @@ def main(argv=None) -> int:
             headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
             model = ns.served_model_name
             if model == "bench-model":
-                listing = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30).json()
-                model = listing["data"][0]["id"]
+                try:
+                    r = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
+                except httpx.HTTPError as e:
+                    raise SystemExit(f"online_bench.py: error: no server answers at {base_url}: {e}") from None
+                if r.status_code != 200:
+                    raise SystemExit(f"online_bench.py: error: {base_url}/v1/models answered {r.status_code} "
+                                     f"({r.text[:200]}){' (give --api-key)' if r.status_code == 401 else ''}")
+                model = r.json()["data"][0]["id"]
         elif ns.fake_core:
             port = _free_port()
             tok_dir = next((a.split("=", 1)[1] if "=" in a else extra[k + 1] for k, a in enumerate(extra)

@@ -270,6 +270,13 @@ def main():
     ap.add_argument("--arch", choices=("qwen3", "qwen3_moe"), default="qwen3",
                     help=f"qwen3_moe: the architecture plus {MOE_ARCH}")
     ns = ap.parse_args()
+    for name in ("steps", "batch_size", "seq_len"):
+        if getattr(ns, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
+    if ns.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {ns.device}: CUDA is not available here (use --device cpu)")
+    if os.path.exists(ns.out_dir) and not ns.overwrite:
+        ap.error(f"{ns.out_dir} exists; give --overwrite to replace it")
     arch = {**(SMALL_ARCH if ns.small else ARCH), **(MOE_ARCH if ns.arch == "qwen3_moe" else {})}
     path = train_copy_checkpoint(ns.out_dir, ns.steps, ns.device, ns.seed, batch_size=ns.batch_size,
                                  seq_len=ns.seq_len, lr=ns.lr, overwrite=ns.overwrite, model_arch=ns.arch, **arch)

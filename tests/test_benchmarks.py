@@ -262,3 +262,21 @@ def test_kernel_bench_decode_rejects_zero_splits(capsys):
     with pytest.raises(SystemExit):
         kernel_bench.main(["decode", "--splits", "0"])
     assert "--splits must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_train_tiny_and_online_bench_reject_bad_arguments_in_one_line(tmp_path, monkeypatch, capsys):
+    (tmp_path / "exists").mkdir()
+    for args, match in [(["--batch-size", "0"], "--batch-size must be >= 1"),
+                        (["--seq-len", "0"], "--seq-len must be >= 1"), (["--steps", "0"], "--steps must be >= 1")]:
+        monkeypatch.setattr(sys, "argv", ["train_tiny.py", str(tmp_path / "m"), "--device", "cpu", *args])
+        with pytest.raises(SystemExit):
+            train_tiny.main()
+        assert match in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["train_tiny.py", str(tmp_path / "exists"), "--device", "cpu"])
+    with pytest.raises(SystemExit):
+        train_tiny.main()
+    assert "give --overwrite" in capsys.readouterr().err
+    pytest.importorskip("httpx")
+    import online_bench
+    with pytest.raises(SystemExit, match="no server answers at http://127.0.0.1:1"):
+        online_bench.main(["--url", "http://127.0.0.1:1", "--rates", "inf", "--output", str(tmp_path / "o.json")])
